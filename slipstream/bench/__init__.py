@@ -1,0 +1,1 @@
+"""Benchmarks that measure slipstream and the stock path side by side in one run."""

@@ -1,0 +1,38 @@
+"""The ``slipstream`` command line.
+
+Subcommands live in a table; each names a module, imported only when chosen, that provides
+``add_arguments(parser)`` and ``run(args) -> int``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# words of the subcommand -> (module, one-line help)
+COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
+    ("bench", "comm"): ("slipstream.bench.comm", "collectives: slipstream vs the stock backend"),
+    ("bench", "varlen"): ("slipstream.bench.varlen", "one training step: padded vs varlen"),
+}
+
+
+def _usage() -> str:
+    rows = [f"  slipstream {' '.join(words):<16} {help_}" for words, (_, help_) in COMMANDS.items()]
+    return "usage: slipstream COMMAND [options]\n\ncommands:\n" + "\n".join(rows) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    for words, (module_name, help_) in sorted(COMMANDS.items(), key=lambda kv: -len(kv[0])):
+        if tuple(argv[: len(words)]) == words:
+            module = importlib.import_module(module_name)
+            parser = argparse.ArgumentParser(prog="slipstream " + " ".join(words), description=help_)
+            module.add_arguments(parser)
+            return int(module.run(parser.parse_args(argv[len(words):])) or 0)
+    sys.stdout.write(_usage())
+    return 0 if argv[:1] in (["-h"], ["--help"]) else 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

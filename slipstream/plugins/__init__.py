@@ -1,0 +1,1 @@
+"""Thin adapters: the only place that imports a training stack (DeepSpeed, accelerate, Megatron)."""

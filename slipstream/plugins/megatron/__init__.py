@@ -1,0 +1,1 @@
+"""Adapter for megatron (not implemented yet: see the open issues)."""

@@ -1,0 +1,105 @@
+"""Run a function on ``world_size`` CPU ranks with gloo and collect every rank's result.
+
+Children are forked from a forkserver that has imported torch once, so a test pays the
+import cost a single time rather than once per rank. Failures from every rank are reported
+together, and a rank that does not finish within ``timeout`` fails the test instead of
+hanging CI.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import traceback
+from datetime import timedelta
+from typing import Any, Callable, Sequence
+
+_CTX = mp.get_context("forkserver")
+_CTX.set_forkserver_preload(["torch", "torch.distributed"])
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child(fn, rank, world_size, port, env, args, queue, pg_timeout):
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+    )
+    os.environ.update({k: str(v) for k, v in env.items()})
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        dist.init_process_group(
+            "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout)
+        )
+        try:
+            result = fn(rank, world_size, *args)
+        finally:
+            dist.destroy_process_group()
+        queue.put((rank, True, result))
+    except BaseException:  # noqa: BLE001 - every failure goes back to the parent
+        queue.put((rank, False, traceback.format_exc()))
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 120.0,
+    env: dict | None = None,
+    rank_env: Sequence[dict] | None = None,
+    pg_timeout: float = 60.0,
+    allow_failures: bool = False,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on each rank; return results ordered by rank.
+
+    ``env`` is set on every rank, ``rank_env[r]`` on rank ``r`` only (e.g. a node override).
+    ``fn`` must be importable (defined at module level). With ``allow_failures`` a rank that
+    raised or died yields an ``Exception`` holding its traceback instead of failing the call.
+    """
+    port = free_port()
+    queue = _CTX.Queue()
+    procs = []
+    for rank in range(world_size):
+        merged = dict(env or {})
+        if rank_env is not None:
+            merged.update(rank_env[rank])
+        p = _CTX.Process(
+            target=_child, args=(fn, rank, world_size, port, merged, args, queue, pg_timeout)
+        )
+        p.start()
+        procs.append(p)
+    results: dict[int, tuple[bool, Any]] = {}
+    try:
+        for _ in range(world_size):
+            try:
+                rank, ok, value = queue.get(timeout=timeout)
+            except Exception:  # queue.Empty: some rank hung or died without reporting
+                break
+            results[rank] = (ok, value)
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    missing = [r for r in range(world_size) if r not in results]
+    failures = {r: v for r, (ok, v) in results.items() if not ok}
+    if not allow_failures and (missing or failures):
+        lines = [f"rank {r} did not finish within {timeout}s (exit code {procs[r].exitcode})" for r in missing]
+        lines += [f"rank {r} failed:\n{tb}" for r, tb in sorted(failures.items())]
+        raise AssertionError("\n".join(lines))
+    out = []
+    for r in range(world_size):
+        ok, value = results.get(r, (False, f"no result (exit code {procs[r].exitcode})"))
+        out.append(value if ok else Exception(value))
+    return out
