@@ -1,0 +1,262 @@
+"""The varlen pass: run a Hugging Face causal LM on the real tokens only.
+
+After :func:`apply`, ``model(**batch)`` removes padding once (before the embedding, which is
+the same as after it: padding rows never reach a real token's output), runs every token-wise
+op on ``(1, total_tokens, hidden)``, gives rotary embeddings the per-sequence positions,
+routes attention through :func:`~slipstream.core_compile.attention.varlen_attention` (never
+across a sequence boundary) and computes the model's own loss on the packed labels, with
+``-100`` at every sequence start. Loss and gradients equal the padded run's.
+
+Accepted batches: a padded ``(batch, seq)`` batch with ``attention_mask``; a flattened row
+from :class:`~slipstream.core_compile.collator.FlattenCollator` (``cu_seq_lens_q`` /
+``max_length_q``, the keys transformers' flash-attention path uses); a flattened row with
+positions restarting at 0; or an explicit ``packed=PackedBatch``. Generation-style calls
+(a KV cache, ``use_cache=True``, ``logits_to_keep``, attention or hidden-state outputs) run
+the original forward with the original attention implementation.
+
+The patch is an instance-level ``forward`` plus a switch of ``config._attn_implementation``
+to an attention function registered in transformers' ``AttentionInterface`` (its official
+extension point). It is idempotent, keeps the original forward reachable
+(``model._slipstream_varlen.original_forward``) and :func:`unpatch` restores the model exactly.
+transformers is imported lazily: this module works on the model object, duck-typed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import torch
+
+from .attention import BACKENDS, VarlenContext, varlen_attention
+from .packing import PackedBatch
+
+__all__ = ["SUPPORTED_MODEL_TYPES", "VarlenConfig", "apply", "unpatch", "patched", "is_patched"]
+
+SUPPORTED_MODEL_TYPES = frozenset({"llama", "qwen2", "mistral"})
+ATTENTION_NAME = "slipstream_varlen"
+_MARKER = "_slipstream_varlen"
+_GENERATION_ARGS = ("past_key_values", "use_cache", "output_attentions", "output_hidden_states")
+
+
+@dataclass(kw_only=True, frozen=True)
+class VarlenConfig:
+    """How the varlen pass runs."""
+
+    backend: str = "auto"
+    """Attention kernel: one of ``flash``, ``torch_varlen``, ``flex``, ``sdpa``, or ``auto``
+    (the fastest that can run each call; a named one that cannot run raises)."""
+    logits: str = "packed"
+    """Layout of returned logits for a padded input: ``"packed"`` ``(1, total_tokens, vocab)``,
+    cheap, or ``"padded"`` ``(batch, seq, vocab)`` with zeros at padding, as the stock model."""
+
+    def __post_init__(self) -> None:
+        if self.backend != "auto" and self.backend not in BACKENDS:
+            raise ValueError(f"backend must be 'auto' or one of {BACKENDS}, got {self.backend!r}")
+        if self.logits not in ("packed", "padded"):
+            raise ValueError(f"logits must be 'packed' or 'padded', got {self.logits!r}")
+
+
+@dataclass(kw_only=True, eq=False)
+class _PatchState:
+    config: VarlenConfig
+    original_forward: Any
+    original_attn_implementation: str | None
+
+
+def is_patched(model: torch.nn.Module) -> bool:
+    return _MARKER in vars(model)
+
+
+def _check_supported(model: torch.nn.Module) -> None:
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise NotImplementedError(
+            f"the varlen pass supports Hugging Face causal LMs of type {sorted(SUPPORTED_MODEL_TYPES)}; "
+            f"got model_type={model_type!r}. Its attention may not honour sequence boundaries, so it is refused."
+        )
+    inner = getattr(model, "model", None)
+    missing = [n for n in ("embed_tokens", "layers", "norm", "rotary_emb") if not hasattr(inner, n)]
+    if missing or not hasattr(model, "lm_head"):
+        raise NotImplementedError(
+            f"{type(model).__name__} does not have the Llama-family layout (model.model.{{embed_tokens, layers, "
+            f"norm, rotary_emb}}, lm_head); missing: {missing or ['lm_head']}"
+        )
+    if "forward" in vars(model):
+        raise RuntimeError(
+            "the model's forward is already wrapped (accelerate, DeepSpeed, another patch): apply the varlen "
+            "pass to the bare model first, then wrap it"
+        )
+
+
+def _hf_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None, **kwargs):
+    """The function registered as ``slipstream_varlen`` in transformers' ``AttentionInterface``."""
+    ctx = kwargs.pop("slipstream_varlen", None)
+    if ctx is None:
+        raise RuntimeError(
+            "slipstream varlen attention was called without packed-sequence metadata; call the patched "
+            "model's top-level forward, or unpatch the model to use its inner modules directly"
+        )
+    if attention_mask is not None or not getattr(module, "is_causal", True):
+        raise RuntimeError("slipstream varlen attention supports causal attention without an extra mask only")
+    unsupported = [k for k in ("softcap", "s_aux") if kwargs.get(k) is not None]
+    if unsupported:
+        raise NotImplementedError(f"slipstream varlen attention cannot honour {unsupported}")
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    out = varlen_attention(query, key, value, ctx, scaling=scaling, sliding_window=sliding_window, dropout=dropout)
+    return out, None
+
+
+def apply(model: torch.nn.Module, config: VarlenConfig | None = None) -> torch.nn.Module:
+    """Patch ``model`` in place for padding-free training; returns it. Idempotent."""
+    config = config or VarlenConfig()
+    if is_patched(model):
+        if vars(model)[_MARKER].config != config:
+            raise ValueError("model is already patched with a different VarlenConfig; unpatch it first")
+        return model
+    _check_supported(model)
+    from transformers import AttentionInterface
+
+    if ATTENTION_NAME not in AttentionInterface._global_mapping:
+        AttentionInterface.register(ATTENTION_NAME, _hf_attention)
+    state = _PatchState(
+        config=config,
+        original_forward=model.forward,
+        original_attn_implementation=model.config._attn_implementation,
+    )
+    model.config._attn_implementation = ATTENTION_NAME
+    setattr(model, _MARKER, state)
+    setattr(model, "forward", types.MethodType(_varlen_forward, model))
+    return model
+
+
+def unpatch(model: torch.nn.Module) -> torch.nn.Module:
+    """Undo :func:`apply` exactly; a no-op on an unpatched model."""
+    state = vars(model).pop(_MARKER, None)
+    if state is None:
+        return model
+    vars(model).pop("forward", None)
+    model.config._attn_implementation = state.original_attn_implementation
+    return model
+
+
+@contextlib.contextmanager
+def patched(model: torch.nn.Module, config: VarlenConfig | None = None) -> Iterator[torch.nn.Module]:
+    """``with patched(model): ...`` applies the pass and undoes it on exit (if it applied it)."""
+    already = is_patched(model)
+    apply(model, config)
+    try:
+        yield model
+    finally:
+        if not already:
+            unpatch(model)
+
+
+@contextlib.contextmanager
+def _original_attention(model):
+    state = vars(model)[_MARKER]
+    model.config._attn_implementation = state.original_attn_implementation
+    try:
+        yield
+    finally:
+        model.config._attn_implementation = ATTENTION_NAME
+
+
+def _resolve_packed(input_ids, inputs_embeds, attention_mask, position_ids, kwargs):
+    """The packed metadata for this call, and whether the inputs are in padded layout."""
+    packed = kwargs.pop("packed", None)
+    cu = kwargs.pop("cu_seq_lens_q", None)
+    for name in ("cu_seq_lens_k", "max_length_q", "max_length_k"):
+        kwargs.pop(name, None)  # describe the same boundaries as cu_seq_lens_q
+    tokens = input_ids if input_ids is not None else inputs_embeds
+    device = tokens.device
+    if packed is None and cu is not None:
+        packed = PackedBatch.from_cu_seqlens(cu)  # host sync if cu is on a GPU
+    if packed is not None:
+        if attention_mask is not None and not bool(attention_mask.all()):
+            raise ValueError("a packed batch cannot also carry padding in attention_mask")
+        return packed.to(device, non_blocking=True), False
+    if attention_mask is None and position_ids is not None and tokens.shape[0] == 1:
+        return PackedBatch.from_position_ids(position_ids), False
+    if attention_mask is None:
+        attention_mask = torch.ones(tokens.shape[:2], dtype=torch.bool, device=device)
+    return PackedBatch.from_attention_mask(attention_mask), True
+
+
+def _varlen_forward(
+    self,
+    input_ids=None,
+    attention_mask=None,
+    position_ids=None,
+    inputs_embeds=None,
+    labels=None,
+    logits_to_keep=0,
+    return_dict=None,
+    **kwargs,
+):
+    """The patched ``forward``; arguments as the model's own. Logits: see ``VarlenConfig.logits``."""
+    state: _PatchState = vars(self)[_MARKER]
+    if logits_to_keep or any(kwargs.get(k) not in (None, False) for k in _GENERATION_ARGS):
+        with _original_attention(self):
+            return state.original_forward(
+                input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                inputs_embeds=inputs_embeds, labels=labels, logits_to_keep=logits_to_keep,
+                return_dict=return_dict, **kwargs,
+            )  # fmt: skip
+    for k in _GENERATION_ARGS:
+        kwargs.pop(k, None)
+    packed, padded = _resolve_packed(input_ids, inputs_embeds, attention_mask, position_ids, kwargs)
+    shift_labels = kwargs.pop("shift_labels", None)
+    num_items_in_batch = kwargs.pop("num_items_in_batch", None)
+    if padded:
+        input_ids, inputs_embeds, position_ids, labels, shift_labels = (
+            None if t is None else packed.unpad(t)
+            for t in (input_ids, inputs_embeds, position_ids, labels, shift_labels)
+        )
+    inner = self.model
+    hidden = inner.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+    positions = packed.position_ids if position_ids is None else position_ids
+    rotary = inner.rotary_emb(hidden, positions)
+    ctx = VarlenContext(packed=packed, backend=state.config.backend)
+    layers = inner.layers[: self.config.num_hidden_layers]
+    for layer in layers:
+        hidden = layer(
+            hidden, attention_mask=None, position_embeddings=rotary, position_ids=positions,
+            slipstream_varlen=ctx, **kwargs,
+        )  # fmt: skip
+    if ctx.calls < len(layers):
+        raise RuntimeError(
+            f"only {ctx.calls} of {len(layers)} attention layers went through the varlen attention; the "
+            "others would attend across sequence boundaries"
+        )
+    logits = self.lm_head(inner.norm(hidden))
+    loss = None
+    if labels is not None or shift_labels is not None:
+        loss = _packed_loss(self, logits, packed, labels, shift_labels, num_items_in_batch)
+    if padded and state.config.logits == "padded":
+        logits = packed.pad(logits)
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    out = CausalLMOutputWithPast(loss=loss, logits=logits)
+    use_dict = getattr(self.config, "return_dict", True) if return_dict is None else return_dict
+    return out if use_dict else out.to_tuple()
+
+
+def _packed_loss(model, logits, packed, labels, shift_labels, num_items_in_batch):
+    """The model's own causal-LM loss on the packed row, with no target across a boundary."""
+    starts = [s for s, n in zip(packed.offsets, packed.lengths) if n > 0]
+    starts_t = torch.tensor(starts, device=logits.device)
+    if labels is not None:
+        labels = labels.index_fill(-1, starts_t, -100)
+    if shift_labels is not None:
+        ends = starts_t[1:] - 1  # the last token of each sequence predicts the next sequence's start
+        shift_labels = shift_labels.index_fill(-1, ends, -100) if ends.numel() else shift_labels
+    return model.loss_function(
+        logits=logits,
+        labels=labels,
+        vocab_size=model.config.vocab_size,
+        num_items_in_batch=num_items_in_batch,
+        shift_labels=shift_labels,
+    )
