@@ -1,0 +1,237 @@
+"""The varlen pass against the padded model it replaces: loss, logits, gradients."""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+
+from slipstream.core_compile import (
+    CollatorConfig,
+    FlattenCollator,
+    PackedBatch,
+    VarlenConfig,
+    apply_varlen,
+    is_varlen_patched,
+    unpatch_varlen,
+    varlen_patched,
+)
+from slipstream.recipes.model import build_model
+
+VOCAB = 97
+FAMILIES = ["llama-tiny", "qwen2-tiny", "mistral-tiny"]
+
+
+def _model(name="llama-tiny", attn="sdpa"):
+    return build_model(name, vocab_size=VOCAB, attn_implementation=attn, seed=1)
+
+
+def _padded(lengths, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    batch, seq = len(lengths), max(lengths)
+    ids = torch.randint(1, VOCAB, (batch, seq), generator=gen)
+    mask = (torch.arange(seq).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)).long()
+    ids = ids * mask  # pad id 0
+    labels = ids.masked_fill(mask == 0, -100)
+    return ids, mask, labels
+
+
+def _grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _check_exact(name, lengths, *, attn="sdpa", config=None):
+    ref = _model(name, attn)
+    ours = copy.deepcopy(ref)
+    apply_varlen(ours, config or VarlenConfig(logits="packed"))
+    ids, mask, labels = _padded(lengths)
+    out_ref = ref(input_ids=ids, attention_mask=mask, labels=labels)
+    out_ref.loss.backward()
+    out = ours(input_ids=ids, attention_mask=mask, labels=labels)
+    out.loss.backward()
+    torch.testing.assert_close(out.loss, out_ref.loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out.logits[0], out_ref.logits[mask.bool()], rtol=1e-4, atol=1e-5)
+    ref_grads = _grads(ref)
+    for n, g in _grads(ours).items():
+        torch.testing.assert_close(g, ref_grads[n], rtol=1e-4, atol=1e-6, msg=lambda m: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_matches_padded_model_for_each_family_and_batch_size(name, batch):
+    rng = random.Random(batch)
+    _check_exact(name, [rng.randint(1, 40) for _ in range(batch)])
+
+
+@pytest.mark.parametrize("batch", [2, 4, 5, 6, 7])
+def test_matches_padded_llama_for_more_batch_sizes(batch):
+    rng = random.Random(100 + batch)
+    _check_exact("llama-tiny", [rng.randint(1, 24) for _ in range(batch)])
+
+
+def test_matches_padded_for_every_length_from_one_to_max():
+    _check_exact("qwen2-tiny", list(range(1, 33)))  # crosses the sliding window of 16
+
+
+def test_matches_padded_for_all_equal_lengths():
+    _check_exact("mistral-tiny", [20] * 4)
+
+
+def test_matches_padded_for_a_batch_of_one_token():
+    ref, ours = _model(), _model()
+    apply_varlen(ours)
+    ids = torch.tensor([[5]])
+    torch.testing.assert_close(ours(input_ids=ids).logits, ref(input_ids=ids).logits, rtol=1e-5, atol=1e-6)
+
+
+def test_matches_eager_reference_too():
+    _check_exact("llama-tiny", [7, 19, 3], attn="eager")
+
+
+def test_padded_logits_layout_matches_stock_logits_at_real_positions():
+    ref, ours = _model(), _model()
+    apply_varlen(ours, VarlenConfig(logits="padded"))
+    ids, mask, _ = _padded([9, 4, 12])
+    logits = ours(input_ids=ids, attention_mask=mask).logits
+    assert logits.shape == (3, 12, VOCAB)
+    real = mask.bool()
+    torch.testing.assert_close(logits[real], ref(input_ids=ids, attention_mask=mask).logits[real], rtol=1e-4, atol=1e-5)
+    assert bool((logits[~real] == 0).all())
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_collated_batch_matches_padded_model(name):
+    lengths = [13, 1, 30, 7]
+    ref = _model(name)
+    ours = copy.deepcopy(ref)
+    apply_varlen(ours)
+    ids, mask, labels = _padded(lengths)
+    ref(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+    collate = FlattenCollator(CollatorConfig(pad_to_multiple_of=16))
+    batch = collate([{"input_ids": ids[i, :n], "labels": labels[i, :n]} for i, n in enumerate(lengths)])
+    assert batch["input_ids"].shape[1] % 16 == 0
+    out = ours(**batch)
+    out.loss.backward()
+    torch.testing.assert_close(out.loss, ref(input_ids=ids, attention_mask=mask, labels=labels).loss, rtol=1e-5, atol=1e-6)
+    ref_grads = _grads(ref)
+    for n, g in _grads(ours).items():
+        torch.testing.assert_close(g, ref_grads[n], rtol=1e-4, atol=1e-6)
+
+
+def test_flattened_position_ids_alone_define_the_boundaries():
+    ref, ours = _model(), _model()
+    apply_varlen(ours)
+    flat, packed = PackedBatch.from_sequences([torch.arange(1, 6), torch.arange(10, 13)])
+    out = ours(input_ids=flat, position_ids=packed.position_ids).logits
+    torch.testing.assert_close(out[0, :5], ref(input_ids=flat[:, :5]).logits[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out[0, 5:], ref(input_ids=flat[:, 5:]).logits[0], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["llama-tiny", "qwen2-tiny"])
+def test_flex_document_mask_matches_padded_forward_without_grad(name):
+    # FlexAttention has no CPU backward; its forward is the path checked here.
+    ref = _model(name)
+    ours = copy.deepcopy(ref)
+    apply_varlen(ours, VarlenConfig(backend="flex"))
+    ids, mask, labels = _padded([5, 22, 17])
+    with torch.no_grad():
+        a = ours(input_ids=ids, attention_mask=mask, labels=labels)
+        b = ref(input_ids=ids, attention_mask=mask, labels=labels)
+    torch.testing.assert_close(a.loss, b.loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(a.logits[0], b.logits[mask.bool()], rtol=1e-4, atol=1e-5)
+
+
+def test_unpatch_restores_the_model_bit_for_bit():
+    model = _model("qwen2-tiny")
+    before_state = {k: v.clone() for k, v in model.state_dict().items()}
+    before_dict = set(vars(model))
+    before_attn = model.config._attn_implementation
+    ids, mask, _ = _padded([6, 3])
+    before_logits = model(input_ids=ids, attention_mask=mask).logits
+    apply_varlen(model)
+    apply_varlen(model)  # idempotent
+    assert is_varlen_patched(model) and model.config._attn_implementation != before_attn
+    unpatch_varlen(model)
+    assert not is_varlen_patched(model)
+    assert set(vars(model)) == before_dict and model.config._attn_implementation == before_attn
+    assert type(model).forward is model.forward.__func__
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before_state[k]), k
+    assert torch.equal(model(input_ids=ids, attention_mask=mask).logits, before_logits)
+
+
+def test_context_manager_patches_and_restores():
+    model = _model()
+    with varlen_patched(model) as m:
+        assert is_varlen_patched(m)
+    assert not is_varlen_patched(model)
+
+
+def test_reapplying_with_another_config_is_refused():
+    model = apply_varlen(_model())
+    with pytest.raises(ValueError, match="different VarlenConfig"):
+        apply_varlen(model, VarlenConfig(backend="flex"))
+
+
+def test_unsupported_model_type_is_refused():
+    model = _model()
+    model.config.model_type = "gpt2"
+    with pytest.raises(NotImplementedError, match="llama"):
+        apply_varlen(model)
+
+
+def test_unavailable_named_backend_is_refused_not_replaced():
+    model = apply_varlen(_model(), VarlenConfig(backend="flash"))
+    ids, mask, _ = _padded([3, 2])
+    with pytest.raises(RuntimeError, match="flash"):
+        model(input_ids=ids, attention_mask=mask)
+
+
+def test_inner_model_call_without_metadata_is_refused():
+    model = apply_varlen(_model())
+    with pytest.raises(RuntimeError, match="without packed-sequence metadata"):
+        model.model(input_ids=torch.tensor([[1, 2, 3]]))
+
+
+def test_generation_style_call_uses_original_forward():
+    ref, ours = _model(), _model()
+    apply_varlen(ours)
+    ids = torch.tensor([[3, 4, 5, 6]])
+    a = ours(input_ids=ids, use_cache=True)
+    b = ref(input_ids=ids, use_cache=True)
+    assert a.past_key_values is not None
+    torch.testing.assert_close(a.logits, b.logits)
+
+
+def test_gradient_checkpointing_keeps_exactness():
+    ref = _model()
+    ours = copy.deepcopy(ref)
+    for m in (ref, ours):
+        m.activation_checkpointing_enable()
+        m.train()
+    apply_varlen(ours)
+    ids, mask, labels = _padded([11, 4, 8])
+    ref(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+    ours(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+    ref_grads = _grads(ref)
+    for n, g in _grads(ours).items():
+        torch.testing.assert_close(g, ref_grads[n], rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["auto", "sdpa", "flex"])
+def test_bf16_gpu_backends_match_padded_sdpa(backend):
+    ref = _model().cuda().to(torch.bfloat16)
+    ours = copy.deepcopy(ref)
+    apply_varlen(ours, VarlenConfig(backend=backend))
+    ids, mask, labels = (t.cuda() for t in _padded([30, 5, 17, 1]))
+    a = ours(input_ids=ids, attention_mask=mask, labels=labels)
+    b = ref(input_ids=ids, attention_mask=mask, labels=labels)
+    torch.testing.assert_close(a.loss, b.loss, rtol=2e-2, atol=2e-2)
+    a.loss.backward()
+    b.loss.backward()
+    ref_grads = _grads(ref)
+    for n, g in _grads(ours).items():
+        torch.testing.assert_close(g.float(), ref_grads[n].float(), rtol=5e-2, atol=5e-2)
