@@ -1,0 +1,433 @@
+"""CPU-Reduce: allreduce, reduce-scatter and allgather among the ranks of one node through
+POSIX shared memory.
+
+Layout of the one segment a group shares (created by group rank 0)::
+
+    control: world x 64 bytes   per rank, one cache line: step, op seq, kind, numel, dtype, op, pid
+    data:    world x 2 slots    per rank, two slots of ``slot_bytes`` (double buffering)
+
+Every rank writes only its own control line and its own slots; peers read them in place.
+Progress is a per-rank step counter: a rank publishes ``step += 1`` after finishing a phase,
+and waits until every rank's counter reaches the same value. Ranks issue the same sequence
+of phases, so equal counters mean equal progress. Slots alternate between chunks, so a rank
+copies chunk k+1 into one slot while slower peers still reduce chunk k from the other.
+
+Large messages take the bandwidth-optimal path (each rank reduces its slice of a chunk and
+peers copy the reduced slices out); messages up to ``small_bytes`` take the latency-optimal
+one (one synchronisation, every rank reduces the whole message). fp16/bf16 accumulate in fp32.
+
+Memory ordering: data is written before the step that publishes it and read after the step
+is seen; x86-64 keeps stores in order and loads in order (TSO), and the GIL hand-offs around
+each torch op are locked instructions, which also order streaming stores. Other
+architectures are not enabled (``is_supported_platform``); callers fall back to the stock
+collective there.
+
+Set-up: rank 0 creates ``/dev/shm/slipstream-<128 random bits>`` with mode 0600, every rank
+maps it, and rank 0 unlinks the name as soon as all have mapped it. From then on nothing is
+left in /dev/shm to clean up, even if a rank is killed with SIGKILL.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import platform
+import secrets
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+__all__ = ["ShmComm", "ShmError", "SUPPORTED_DTYPES", "SUPPORTED_OPS", "is_supported_platform"]
+
+ReduceOp = dist.ReduceOp
+
+SUPPORTED_DTYPES = (
+    torch.float32, torch.float16, torch.bfloat16, torch.float64,
+    torch.int32, torch.int64, torch.uint8,
+)
+_DTYPE_CODE = {dt: i + 1 for i, dt in enumerate(SUPPORTED_DTYPES)}
+_COMBINE = {
+    ReduceOp.SUM: torch.add,
+    ReduceOp.AVG: torch.add,
+    ReduceOp.PRODUCT: torch.mul,
+    ReduceOp.MAX: torch.maximum,
+    ReduceOp.MIN: torch.minimum,
+}
+SUPPORTED_OPS = tuple(_COMBINE)
+_OP_CODE = {op: i + 1 for i, op in enumerate(SUPPORTED_OPS)}
+_KIND_CODE = {"all_reduce": 1, "reduce_scatter": 2, "all_gather": 3}
+
+_LINE = 64  # bytes of one control line; also the alignment of slots and slices
+_STEP, _SEQ, _KIND, _NUMEL, _DTYPE, _OP, _PID = range(7)
+_LINE_WORDS = _LINE // 8
+
+
+class ShmError(RuntimeError):
+    """A shared-memory collective could not complete (peer died, timed out, mismatched call)."""
+
+
+def is_supported_platform() -> bool:
+    return platform.machine().lower() in ("x86_64", "amd64") and os.path.isdir("/dev/shm")
+
+
+def _process_gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except (OSError, IndexError):
+        return True
+
+
+class ShmComm:
+    """Collectives among the ranks of ``group``, which must all run on one node.
+
+    Construction is collective over ``group``. Tensors must be CPU tensors of a dtype in
+    ``SUPPORTED_DTYPES`` and an op in ``SUPPORTED_OPS`` (AVG for floating dtypes only);
+    callers check ``supports`` and use the stock collective otherwise.
+    """
+
+    __slots__ = (
+        # set-up
+        "group", "rank", "world", "slot_bytes", "small_bytes", "timeout", "segment_name",
+        # the mapping and views into it
+        "_mm", "_ctrl", "_steps", "_slots",
+        # progress
+        "_step", "_seq", "_next_slot", "_slot_free_at", "_unchecked", "_broken",
+    )
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None = None,
+        *,
+        slot_bytes: int = 1 << 20,
+        small_bytes: int = 64 << 10,
+        timeout: float = 300.0,
+    ) -> None:
+        if slot_bytes % _LINE or slot_bytes <= 0:
+            raise ValueError(f"slot_bytes must be a positive multiple of {_LINE}, got {slot_bytes}")
+        if not 0 <= small_bytes <= slot_bytes:
+            raise ValueError(f"small_bytes must be in [0, slot_bytes], got {small_bytes}")
+        if not is_supported_platform():
+            raise ShmError(f"shared-memory collectives need x86-64 Linux, not {platform.machine()}")
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        self.slot_bytes = slot_bytes
+        self.small_bytes = small_bytes
+        self.timeout = timeout
+        self._mm, self.segment_name = _map_segment(group, self.rank, self._segment_bytes())
+        words = np.frombuffer(self._mm, dtype=np.int64, count=self.world * _LINE_WORDS)
+        self._ctrl = words.reshape(self.world, _LINE_WORDS)
+        self._steps = self._ctrl[:, _STEP]
+        data = torch.frombuffer(self._mm, dtype=torch.uint8, offset=self.world * _LINE,
+                                count=self.world * 2 * slot_bytes)
+        self._slots = data.view(self.world, 2, slot_bytes)
+        self._step = 0
+        self._seq = 0
+        self._next_slot = 0
+        self._slot_free_at = [0, 0]
+        self._unchecked = False
+        self._broken: str | None = None
+        self._ctrl[self.rank, _PID] = os.getpid()
+        dist.barrier(group=group)  # every pid is written before anyone waits on peers
+
+    def _segment_bytes(self) -> int:
+        return self.world * _LINE + self.world * 2 * self.slot_bytes
+
+    # ---------------------------------------------------------------- public collectives
+
+    @staticmethod
+    def supports(tensor: torch.Tensor, op=ReduceOp.SUM) -> str | None:
+        """None if the tensor and op can take this path, else the reason they cannot."""
+        if tensor.device.type != "cpu":
+            return f"device {tensor.device} is not cpu"
+        if tensor.dtype not in _DTYPE_CODE:
+            return f"dtype {tensor.dtype} is not supported"
+        if op not in _COMBINE:
+            return f"op {op} is not supported"
+        if op == ReduceOp.AVG and not tensor.dtype.is_floating_point:
+            return f"AVG of {tensor.dtype} is not defined here"
+        return None
+
+    def all_reduce(self, tensor: torch.Tensor, op=ReduceOp.SUM) -> None:
+        """In place: ``tensor`` (any shape, any strides) becomes the reduction over ranks."""
+        self._check(tensor, op)
+        work = tensor if tensor.is_contiguous() else tensor.contiguous()
+        flat = work.view(-1)
+        self._begin("all_reduce", flat, op)
+        if flat.numel():
+            if flat.numel() * flat.element_size() <= self.small_bytes:
+                self._all_reduce_small(flat, op)
+            else:
+                self._all_reduce_large(flat, op)
+        if work is not tensor:
+            tensor.copy_(work)
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op=ReduceOp.SUM) -> None:
+        """``output: (n,)`` on rank r gets the reduction of ``input.view(world, n)[r]``."""
+        self._check(input, op)
+        self._check(output, op)
+        n = output.numel()
+        if input.numel() != n * self.world or output.dtype != input.dtype:
+            raise ValueError(
+                f"reduce_scatter: input has {input.numel()} {input.dtype} elements, expected "
+                f"world_size ({self.world}) x output ({n}) of {output.dtype}"
+            )
+        inp = input.reshape(self.world, n)
+        out = output if output.is_contiguous() else torch.empty_like(output)
+        self._begin("reduce_scatter", inp, op)
+        cols = max(1, self._capacity(input) // self.world)
+        for lo in range(0, n, cols):
+            hi = min(n, lo + cols)
+            slot = self._acquire_slot()
+            self._slot_view(self.rank, slot, input.dtype, self.world * (hi - lo)).view(
+                self.world, hi - lo).copy_(inp[:, lo:hi])
+            self._sync()
+            srcs = [self._slot_view(p, slot, input.dtype, self.world * (hi - lo))
+                    .view(self.world, hi - lo)[self.rank] for p in range(self.world)]
+            _reduce_into(out.view(-1)[lo:hi], srcs, op, self.world)
+            self._release_slot(slot)
+        if out is not output:
+            output.copy_(out)
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        """``output: (world * n,)`` gets every rank's ``input: (n,)`` in rank order.
+
+        ``input`` may be a view into ``output`` (FSDP2 does this).
+        """
+        self._check(input, ReduceOp.SUM)
+        self._check(output, ReduceOp.SUM)
+        n = input.numel()
+        if output.numel() != n * self.world or output.dtype != input.dtype:
+            raise ValueError(
+                f"all_gather: output has {output.numel()} {output.dtype} elements, expected "
+                f"world_size ({self.world}) x input ({n}) of {input.dtype}"
+            )
+        out = output if output.is_contiguous() else torch.empty_like(output)
+        rows = out.view(self.world, n)
+        src = input.reshape(-1)
+        self._begin("all_gather", src, ReduceOp.SUM)
+        cap = self._capacity(input)
+        skip_own = rows[self.rank].data_ptr() == src.data_ptr()
+        for lo in range(0, n, cap):
+            hi = min(n, lo + cap)
+            slot = self._acquire_slot()
+            self._slot_view(self.rank, slot, input.dtype, hi - lo).copy_(src[lo:hi])
+            self._sync()
+            for p in range(self.world):
+                if not (skip_own and p == self.rank):
+                    rows[p, lo:hi].copy_(self._slot_view(p, slot, input.dtype, hi - lo))
+            self._release_slot(slot)
+        if out is not output:
+            output.copy_(out)
+
+    def close(self) -> None:
+        self._broken = self._broken or "closed"
+        self._slots = self._ctrl = self._steps = None  # drop views so the mapping can close
+        try:
+            self._mm.close()
+        except BufferError:
+            pass  # a caller still holds a view; the mapping goes with the last reference
+
+    # ---------------------------------------------------------------- algorithms
+
+    def _all_reduce_small(self, flat: torch.Tensor, op) -> None:
+        # One synchronisation: every rank reduces the whole message from all slots.
+        slot = self._acquire_slot()
+        self._slot_view(self.rank, slot, flat.dtype, flat.numel()).copy_(flat)
+        self._sync()
+        srcs = [self._slot_view(p, slot, flat.dtype, flat.numel()) for p in range(self.world)]
+        _reduce_into(flat, srcs, op, self.world)
+        self._release_slot(slot)
+
+    def _all_reduce_large(self, flat: torch.Tensor, op) -> None:
+        # Per chunk: copy in; rank r reduces slice r of all slots into its own slot; every
+        # rank copies each reduced slice out of its owner's slot.
+        cap = self._capacity(flat)
+        align = max(1, _LINE // flat.element_size())
+        for lo in range(0, flat.numel(), cap):
+            hi = min(flat.numel(), lo + cap)
+            bounds = _split(hi - lo, self.world, align)
+            slot = self._acquire_slot()
+            mine = self._slot_view(self.rank, slot, flat.dtype, hi - lo)
+            mine.copy_(flat[lo:hi])
+            self._sync()
+            a, b = bounds[self.rank], bounds[self.rank + 1]
+            if b > a:
+                # The result overwrites this rank's own slice, so it must be read first.
+                order = [self.rank] + [p for p in range(self.world) if p != self.rank]
+                srcs = [self._slot_view(p, slot, flat.dtype, hi - lo)[a:b] for p in order]
+                _reduce_into(mine[a:b], srcs, op, self.world)
+            self._sync()
+            for p in range(self.world):
+                a, b = bounds[p], bounds[p + 1]
+                if b > a:
+                    flat[lo + a:lo + b].copy_(self._slot_view(p, slot, flat.dtype, hi - lo)[a:b])
+            self._release_slot(slot)
+
+    # ---------------------------------------------------------------- slots and steps
+
+    def _capacity(self, t: torch.Tensor) -> int:
+        return self.slot_bytes // t.element_size()
+
+    def _slot_view(self, rank: int, slot: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        return self._slots[rank, slot, : numel * dtype.itemsize].view(dtype)
+
+    def _acquire_slot(self) -> int:
+        slot = self._next_slot
+        self._next_slot ^= 1
+        self._wait_all(self._slot_free_at[slot])  # every peer finished reading its last use
+        return slot
+
+    def _release_slot(self, slot: int) -> None:
+        self._slot_free_at[slot] = self._publish()
+
+    def _sync(self) -> None:
+        self._wait_all(self._publish())
+        if self._unchecked:  # after the first sync of a call every peer has begun it
+            self._unchecked = False
+            self._check_peers_match()
+
+    def _publish(self) -> int:
+        self._step += 1
+        self._ctrl[self.rank, _STEP] = self._step
+        return self._step
+
+    def _begin(self, kind: str, t: torch.Tensor, op) -> None:
+        """Record this call so peers can check they are running the same one."""
+        self._seq += 1
+        line = self._ctrl[self.rank]
+        line[_SEQ] = 0  # seqlock: invalid while the fields change
+        line[_KIND] = _KIND_CODE[kind]
+        line[_NUMEL] = t.numel()
+        line[_DTYPE] = _DTYPE_CODE[t.dtype]
+        line[_OP] = _OP_CODE[op]
+        line[_SEQ] = self._seq  # written last: peers compare fields only at an equal seq
+        self._unchecked = True
+
+    def _check(self, t: torch.Tensor, op) -> None:
+        if self._broken:
+            raise ShmError(f"shared-memory communicator is unusable: {self._broken}")
+        reason = self.supports(t, op)
+        if reason:
+            raise ValueError(f"shared-memory collective: {reason}")
+
+    def _wait_all(self, target: int) -> None:
+        steps = self._steps
+        if steps.min() >= target:
+            return
+        start = time.monotonic()
+        spins = 0
+        while steps.min() < target:
+            spins += 1
+            # 4 ranks on 2 cores is common here: give the core to a peer that has work.
+            os.sched_yield()
+            if spins % 512 == 0:
+                self._check_progress(target, time.monotonic() - start)
+
+    def _check_progress(self, target: int, waited: float) -> None:
+        late = [r for r in range(self.world) if self._steps[r] < target]
+        for r in late:
+            pid = int(self._ctrl[r, _PID])
+            if _process_gone(pid):
+                self._fail(f"local rank {r} (pid {pid}) died during a collective")
+        if waited > self.timeout:
+            self._fail(
+                f"timed out after {waited:.0f}s waiting for local ranks {late}: are all ranks "
+                "calling the same collective with the same tensor size, dtype and device? "
+                "(SLIPSTREAM_DEBUG=1 checks this before every collective)"
+            )
+
+    def _check_peers_match(self) -> None:
+        # A peer that finished this call may already be rewriting its line for the next
+        # one; a line counts only if its seq is ours both before and after reading it.
+        mine = self._ctrl[self.rank].copy()
+        before = self._ctrl[:, _SEQ].copy()
+        fields = self._ctrl[:, _KIND:_OP + 1].copy()
+        same_call = (before == self._seq) & (self._ctrl[:, _SEQ] == self._seq)
+        bad = np.flatnonzero(same_call & (fields != mine[_KIND:_OP + 1]).any(axis=1))
+        if bad.size:
+            r = int(bad[0])
+            self._fail(
+                f"collective #{self._seq} differs between ranks: local rank {self.rank} runs "
+                f"{_describe(mine[_KIND:])}, local rank {r} runs {_describe(fields[r])}"
+            )
+
+    def _fail(self, why: str) -> None:
+        self._broken = why
+        raise ShmError(why)
+
+
+# -------------------------------------------------------------------- helpers
+
+
+def _describe(fields) -> str:
+    """Text for the (kind, numel, dtype, op) fields of a control line."""
+    kind, numel, dtype, op = (int(v) for v in fields[:4])
+    kinds = {v: k for k, v in _KIND_CODE.items()}
+    dtypes = {v: k for k, v in _DTYPE_CODE.items()}
+    ops = {v: k for k, v in _OP_CODE.items()}
+    return f"{kinds.get(kind)} of {numel} x {dtypes.get(dtype)} ({ops.get(op)})"
+
+
+def _split(n: int, parts: int, align: int) -> list[int]:
+    """Boundaries of ``parts`` near-equal slices of ``n`` elements, interior ones aligned."""
+    step = -(-n // parts)
+    step = -(-step // align) * align
+    return [min(n, i * step) for i in range(parts)] + [n]
+
+
+def _reduce_into(dst: torch.Tensor, srcs: list[torch.Tensor], op, world: int) -> None:
+    """``dst = srcs[0] (op) srcs[1] (op) ...``; fp16/bf16 accumulate in fp32. ``dst`` may be
+    ``srcs[i]`` itself."""
+    combine = _COMBINE[op]
+    if dst.dtype in (torch.float16, torch.bfloat16):
+        acc = srcs[0].float()
+        for s in srcs[1:]:
+            combine(acc, s, out=acc)
+        if op == ReduceOp.AVG:
+            acc.div_(world)
+        dst.copy_(acc)
+        return
+    if len(srcs) == 1:
+        dst.copy_(srcs[0])
+    else:
+        combine(srcs[0], srcs[1], out=dst)
+        for s in srcs[2:]:
+            combine(dst, s, out=dst)
+    if op == ReduceOp.AVG:
+        dst.div_(world)
+
+
+def _map_segment(group, rank: int, nbytes: int) -> tuple[mmap.mmap, str]:
+    """Create (rank 0) or open (others) the group's segment and unlink its name once all
+    ranks have mapped it. Collective over ``group``."""
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    path = None
+    fd = -1
+    try:
+        if rank == 0:
+            path = f"/dev/shm/slipstream-{secrets.token_hex(16)}"
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            try:
+                os.posix_fallocate(fd, 0, nbytes)  # fail now, not with SIGBUS mid-collective
+            except OSError as e:
+                raise ShmError(f"cannot allocate {nbytes} bytes in /dev/shm: {e}") from e
+        box = [path]
+        dist.broadcast_object_list(box, src=src, group=group)
+        path = box[0]
+        if rank != 0:
+            fd = os.open(path, os.O_RDWR)
+        mm = mmap.mmap(fd, nbytes)
+        dist.barrier(group=group)
+        return mm, path
+    finally:
+        if fd >= 0:
+            os.close(fd)
+        if rank == 0 and path is not None:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
