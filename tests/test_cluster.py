@@ -1,0 +1,157 @@
+"""The emulated multi-node cluster: rate parsing, spec validation, namespaces, launching."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+
+from slipstream.core_comm import _netns
+from slipstream.core_comm.cluster import ClusterSpec, EmulatedCluster, LaunchError, launch, parse_rate
+
+# Each rank allreduces (rank + 1) and records what it saw.
+_WORKER = textwrap.dedent(
+    """
+    import json, os, sys
+    import torch, torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    t = torch.full((1000,), float(rank + 1))
+    dist.all_reduce(t)
+    if os.environ.get("FAIL_RANK") == str(rank):
+        sys.exit(3)
+    record = dict(rank=rank, world=dist.get_world_size(), sum=t[0].item(),
+                  node=os.environ.get("SLIPSTREAM_NODE"), ifname=os.environ.get("GLOO_SOCKET_IFNAME"))
+    with open(os.path.join(sys.argv[1], f"rank{rank}.json"), "w") as f:
+        json.dump(record, f)
+    dist.destroy_process_group()
+    """
+)
+
+
+def _ours() -> list[str]:
+    return [n for n in _netns.list_ns() if n.startswith("slipstream-")]
+
+
+def _run_worker(tmp_path, spec, **kw) -> list[dict]:
+    script = tmp_path / "worker.py"
+    script.write_text(_WORKER)
+    launch([str(script), str(tmp_path)], spec, timeout=120, **kw)
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(spec.world_size)]
+
+
+@pytest.mark.parametrize(
+    "text, bps",
+    [("1gbit", 1e9), ("100mbit", 1e8), ("125mbps", 1e9), ("1.5kbit", 1500), ("1gibit", 2**30),
+     ("800", 800), ("10Gbit", 1e10)],
+)
+def test_parse_rate_follows_tc_units(text, bps):
+    assert parse_rate(text) == bps
+
+
+@pytest.mark.parametrize("text", ["", "fast", "1 gigabit", "-1gbit", "0mbit"])
+def test_parse_rate_rejects_garbage(text):
+    with pytest.raises(ValueError):
+        parse_rate(text)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [dict(nodes=0), dict(ranks_per_node=0), dict(nodes=1, link="1gbit"), dict(nodes=2, link="x"),
+     dict(nodes=2, per_connection_rate="100mbit"),
+     dict(nodes=2, link="100mbit", per_connection_rate="1gbit"),
+     dict(nodes=2, link="1gbit", capped_ports=range(29490, 29510))],
+)
+def test_spec_rejects_bad_settings(kwargs):
+    with pytest.raises(ValueError):
+        ClusterSpec(**kwargs)
+
+
+def test_single_node_launch_needs_no_namespaces(tmp_path):
+    seen = _run_worker(tmp_path, ClusterSpec(nodes=1, ranks_per_node=2))
+    assert [s["sum"] for s in seen] == [3.0, 3.0]
+
+
+def test_failing_rank_fails_the_launch(tmp_path):
+    with pytest.raises(LaunchError, match="node 0"):
+        _run_worker(tmp_path, ClusterSpec(nodes=1, ranks_per_node=2), env={"FAIL_RANK": "1"})
+
+
+@pytest.mark.netns
+def test_two_nodes_allreduce_across_the_link(tmp_path):
+    spec = ClusterSpec(nodes=2, ranks_per_node=2, link="1gbit")
+    before = set(_ours())
+    seen = _run_worker(tmp_path, spec)
+    assert [s["sum"] for s in seen] == [10.0] * 4
+    assert [s["node"] for s in seen] == ["0", "0", "1", "1"]
+    assert {s["ifname"] for s in seen} == {EmulatedCluster.iface}
+    assert set(_ours()) <= before
+
+
+@pytest.mark.netns
+def test_link_is_shaped_at_the_configured_rate_both_ways():
+    with EmulatedCluster(ClusterSpec(nodes=2, link="100mbit")) as cluster:
+        for node_ns in cluster.namespaces:
+            assert "tbf" in (out := _netns.run("tc", "-s", "qdisc", "show", "dev", cluster.iface, ns=node_ns))
+            assert "rate 100Mbit" in out
+        switch = _netns.run("tc", "qdisc", "show", ns=cluster.switch_namespace)
+        assert switch.count("rate 100Mbit") == 2
+        assert len(set(cluster.node_ips)) == 2 and all(ip.startswith("10.213.") for ip in cluster.node_ips)
+
+
+@pytest.mark.netns
+def test_per_connection_cap_installs_one_class_per_port():
+    spec = ClusterSpec(nodes=2, link="1gbit", per_connection_rate="300mbit", capped_ports=range(20000, 20004))
+    with EmulatedCluster(spec) as cluster:
+        classes = _netns.run("tc", "class", "show", "dev", cluster.iface, ns=cluster.namespaces[0])
+        assert classes.count("ceil 300Mbit") == 4
+        assert "rate 1Gbit ceil 1Gbit" in classes
+
+
+@pytest.mark.netns
+def test_namespaces_are_deleted_after_normal_exit_and_after_an_error():
+    before = set(_ours())
+    with EmulatedCluster(ClusterSpec(nodes=3, link="1gbit")) as cluster:
+        made = set(cluster.namespaces) | {cluster.switch_namespace}
+        assert made <= set(_netns.list_ns())
+    assert not made & set(_netns.list_ns())
+    with pytest.raises(KeyError):
+        with EmulatedCluster(ClusterSpec(nodes=2)) as cluster:
+            made = set(cluster.namespaces) | {cluster.switch_namespace}
+            raise KeyError("boom")
+    assert not made & set(_netns.list_ns())
+    assert set(_ours()) <= before
+
+
+@pytest.mark.netns
+def test_failed_enter_removes_what_it_made(monkeypatch):
+    def broken(*args, **kwargs):
+        raise _netns.NetnsError("injected")
+
+    monkeypatch.setattr(_netns, "shape_egress", broken)
+    before = set(_ours())
+    with pytest.raises(_netns.NetnsError, match="injected"):
+        with EmulatedCluster(ClusterSpec(nodes=2, link="1gbit")):
+            pass
+    assert set(_ours()) <= before
+
+
+def test_cluster_without_root_says_why(monkeypatch):
+    monkeypatch.setattr(_netns, "missing_privileges", lambda: "needs root, as it says")
+    with pytest.raises(_netns.NetnsError, match="needs root"):
+        with EmulatedCluster(ClusterSpec(nodes=2)):
+            pass
+
+
+def test_timeout_kills_every_rank(tmp_path):
+    script = tmp_path / "sleeper.py"
+    script.write_text("import os, sys, time\nopen(sys.argv[1] + f'/{os.getpid()}', 'w').close()\ntime.sleep(300)\n")
+    with pytest.raises(LaunchError, match="timed out"):
+        launch([str(script), str(tmp_path)], ClusterSpec(nodes=1, ranks_per_node=2), timeout=6)
+    pids = [int(p.name) for p in tmp_path.iterdir() if p.name.isdigit()]
+    assert len(pids) == 2
+    for pid in pids:
+        assert not _netns._alive(pid)
