@@ -1,0 +1,148 @@
+"""One rank of ``slipstream bench comm``; started by torch.distributed.run on every rank.
+
+For each op and size: run slipstream and the stock collective once on the same integer-valued
+input and require identical results (small integers sum exactly in every dtype and order, so
+any difference is a bug, not rounding), warm both up, then time them alternating (which goes
+first flips every iteration). An iteration's time is the slowest rank's, from a barrier to the
+end of the collective. Rank 0 writes the raw times as JSON to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+# torch 2.13 renamed the tensor collectives (the old names warn); gloo supports both.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+# op -> (stock, slipstream), each called as f(comm, out, inp); allreduce works in place on inp.
+_CALLS = {
+    "allreduce": (lambda c, o, i: dist.all_reduce(i), lambda c, o, i: c.all_reduce(i)),
+    "allgather": (lambda c, o, i: _all_gather(o, i), lambda c, o, i: c.all_gather(o, i)),
+    "reduce_scatter": (lambda c, o, i: _reduce_scatter(o, i), lambda c, o, i: c.reduce_scatter(o, i)),
+}
+
+
+@dataclass(frozen=True)
+class _Case:
+    """Buffers of one op at one size."""
+
+    op: str
+    comm: Any  # slipstream's Communicator, or None when only stock runs
+    inp: torch.Tensor
+    out: torch.Tensor
+    source: torch.Tensor  # copied into ``inp`` before every call: in-place ops change it
+
+    def run(self, impl: str) -> None:
+        stock, slip = _CALLS[self.op]
+        (slip if impl == "slipstream" else stock)(self.comm, self.out, self.inp)
+
+
+def _case(op: str, numel: int, dtype: torch.dtype, comm: Any, world: int, seed: int) -> _Case:
+    """``numel`` (a multiple of ``world``) elements in the full buffer: allreduce's tensor,
+    allgather's output, reduce-scatter's input. Values are integers in [-8, 8]."""
+    gen = torch.Generator().manual_seed(seed * 1000 + dist.get_rank())
+    in_numel = numel // world if op == "allgather" else numel
+    source = torch.randint(-8, 9, (in_numel,), generator=gen).to(dtype)
+    inp = source.clone()
+    out_numel = {"allreduce": 0, "allgather": numel, "reduce_scatter": numel // world}[op]
+    out = inp if op == "allreduce" else torch.empty(out_numel, dtype=dtype)
+    return _Case(op, comm, inp, out, source)
+
+
+def _timed(case: _Case, impl: str) -> float:
+    case.inp.copy_(case.source)
+    dist.barrier()
+    start = time.perf_counter()
+    case.run(impl)
+    return time.perf_counter() - start
+
+
+def _check(case: _Case, impls: list[str], op: str, nbytes: int) -> None:
+    """Every impl's output equals the stock one's exactly; raise on every rank otherwise."""
+    results = {}
+    for impl in impls:
+        case.inp.copy_(case.source)
+        case.run(impl)
+        results[impl] = case.out.clone()
+    bad = torch.zeros(1)
+    for impl, got in results.items():
+        if not torch.equal(got, results["stock"]):
+            diff = (got.double() - results["stock"].double()).abs()
+            print(f"rank {dist.get_rank()}: {impl} {op} of {nbytes} bytes differs from stock: "
+                  f"{int((diff > 0).sum())} of {diff.numel()} elements, max abs diff {diff.max().item()}",
+                  flush=True)
+            bad += 1
+    dist.all_reduce(bad)
+    if bad.item():
+        raise RuntimeError(f"{op} of {nbytes} bytes: slipstream and stock results differ "
+                           "(see the ranks' lines above); refusing to report times")
+
+
+def _measure(case: _Case, impls: list[str], iters: int, warmup: int) -> dict[str, list[float]]:
+    for _ in range(warmup):
+        for impl in impls:
+            _timed(case, impl)
+    times: dict[str, list[float]] = {impl: [] for impl in impls}
+    for i in range(iters):
+        for impl in impls if i % 2 == 0 else impls[::-1]:
+            times[impl].append(_timed(case, impl))
+    slowest = torch.tensor([times[impl] for impl in impls], dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return {impl: slowest[k].tolist() for k, impl in enumerate(impls)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--ops", required=True)
+    parser.add_argument("--sizes", required=True, help="bytes, comma-separated")
+    parser.add_argument("--impls", required=True)
+    parser.add_argument("--dtype", required=True)
+    parser.add_argument("--iters", type=int, required=True)
+    parser.add_argument("--warmup", type=int, required=True)
+    args = parser.parse_args()
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    impls = args.impls.split(",")
+    comm = None
+    if "slipstream" in impls:
+        from slipstream.core_comm import Communicator
+
+        comm = Communicator(None)
+    dtype = getattr(torch, args.dtype)
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    records = []
+    for op in args.ops.split(","):
+        for seed, nbytes in enumerate(int(s) for s in args.sizes.split(",")):
+            numel = max(nbytes // itemsize // world, 1) * world
+            case = _case(op, numel, dtype, comm, world, seed)
+            if len(impls) > 1:
+                _check(case, impls, op, numel * itemsize)
+            times = _measure(case, impls, args.iters, args.warmup)
+            records += [dict(op=op, size_bytes=numel * itemsize, impl=impl, times_s=times[impl])
+                        for impl in impls]
+            if rank == 0:
+                print(f"done: {op} {numel * itemsize} bytes", flush=True)
+    if comm is not None:
+        comm.close()
+    if rank == 0:
+        with open(args.out, "w") as f:
+            json.dump(dict(world_size=world, backend=dist.get_backend(), records=records), f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()

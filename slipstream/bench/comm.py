@@ -1,0 +1,221 @@
+"""``slipstream bench comm``: collectives, slipstream vs the stock backend, nccl-tests style.
+
+Ranks are started with ``slipstream.core_comm.cluster.launch``: one local node on loopback, or
+``--nodes`` emulated nodes joined by ``--link``-limited links (root needed). Both
+implementations run in the same processes on the same buffers, alternating; each row is the
+median over ``--iters`` of the slowest rank's time. Results are checked once per size
+(slipstream's output must equal the stock one), and the run fails if they differ.
+
+Columns, as nccl-tests (n ranks, S the full buffer: allreduce's tensor, allgather's output,
+reduce-scatter's input; GB/s are 10^9 bytes/s, so ``*_gbps`` fields are GB/s too):
+
+- algbw = S / time; busbw = algbw x 2(n-1)/n (allreduce) or (n-1)/n (allgather, reduce-scatter).
+- bound: the physical lower limit on the time. On one node, the least memory traffic (every
+  rank's input read once and every output written once: 2nS for allreduce, (n+1)S for
+  allgather and reduce-scatter) divided by the copy bandwidth measured at start (a 512 MiB
+  tensor copy on all cores, read + write bytes). Across N nodes, the bytes that must cross
+  each node's link, 2(N-1)/N x S (allreduce) or (N-1)/N x S, divided by the link rate (TCP's
+  goodput is 95.6% of it at best: see ``core_comm/cluster.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import torch
+
+from slipstream.core_comm.cluster import ClusterSpec, launch, parse_rate
+
+__all__ = ["add_arguments", "run"]
+
+OPS = ("allreduce", "allgather", "reduce_scatter")
+_BUS_FACTOR = {"allreduce": lambda n: 2 * (n - 1) / n, "allgather": lambda n: (n - 1) / n,
+               "reduce_scatter": lambda n: (n - 1) / n}
+_MEMORY_BYTES = {"allreduce": lambda n: 2 * n, "allgather": lambda n: n + 1,
+                 "reduce_scatter": lambda n: n + 1}  # x S, see the module docstring
+_UNIT = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--nodes", type=int, default=1, help="emulated nodes (default 1; more need root)")
+    parser.add_argument("--ranks-per-node", type=int, default=4, help="ranks per node (default 4)")
+    parser.add_argument("--link", help="tc rate of each node's link, e.g. 1gbit (needed for --nodes > 1)")
+    parser.add_argument("--sizes", default="4K,64K,1M,16M", help="buffer sizes (default 4K,64K,1M,16M)")
+    parser.add_argument("--ops", default=",".join(OPS), help=f"comma-separated of {', '.join(OPS)}")
+    parser.add_argument("--impls", default="stock,slipstream", help="stock and/or slipstream (default both)")
+    parser.add_argument("--iters", type=int, default=10, help="timed iterations per impl (default 10)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed iterations per impl first (default 2)")
+    parser.add_argument("--dtype", default="float32", help="torch dtype name (default float32)")
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds before every rank is killed")
+    parser.add_argument("--json", help="write the records (a JSON list) here")
+    parser.add_argument("--markdown", help="write the report (machine, command, table) here")
+
+
+def parse_size(text: str) -> int:
+    """``"64K"`` -> 65536 (binary units K, M, G; a bare number is bytes)."""
+    t = text.strip().upper().removesuffix("B").removesuffix("I")
+    unit = t[-1:] if t[-1:] in _UNIT else ""
+    try:
+        value = int(float(t[: len(t) - len(unit)]) * _UNIT[unit])
+    except ValueError:
+        raise ValueError(f"not a size: {text!r} (e.g. 4K, 64K, 1M, 16M)") from None
+    if value <= 0:
+        raise ValueError(f"size must be positive: {text!r}")
+    return value
+
+
+def _format_size(nbytes: int) -> str:
+    for unit in ("G", "M", "K"):
+        if nbytes >= _UNIT[unit] and nbytes % _UNIT[unit] == 0:
+            return f"{nbytes // _UNIT[unit]} {unit}iB"
+    return f"{nbytes} B"
+
+
+def _validate(args: argparse.Namespace) -> tuple[ClusterSpec, list[int], list[str], list[str]]:
+    if args.nodes > 1 and not args.link:
+        raise SystemExit("--nodes > 1 needs --link (e.g. 1gbit): the bound is the link's rate")
+    if args.iters < 1 or args.warmup < 0:
+        raise SystemExit("--iters must be >= 1 and --warmup >= 0")
+    if not isinstance(getattr(torch, args.dtype, None), torch.dtype):
+        raise SystemExit(f"--dtype {args.dtype!r} is not a torch dtype name")
+    ops, impls = args.ops.split(","), args.impls.split(",")
+    if bad := [o for o in ops if o not in OPS]:
+        raise SystemExit(f"unknown op(s) {bad}; choose from {', '.join(OPS)}")
+    if "stock" not in impls or not set(impls) <= {"stock", "slipstream"}:
+        raise SystemExit("--impls must list stock (the reference), optionally with slipstream")
+    if "slipstream" in impls:
+        try:
+            from slipstream.core_comm import Communicator  # noqa: F401
+        except ImportError as e:
+            raise SystemExit(f"slipstream's Communicator is not importable ({e}); use --impls stock") from e
+    try:
+        spec = ClusterSpec(nodes=args.nodes, ranks_per_node=args.ranks_per_node, link=args.link)
+        sizes = [parse_size(s) for s in args.sizes.split(",")]
+    except ValueError as e:
+        raise SystemExit(str(e)) from e
+    return spec, sizes, ops, impls
+
+
+def memory_bandwidth(nbytes: int = 512 << 20, repeats: int = 10) -> float:
+    """Copy bandwidth in bytes/s (bytes read + bytes written) on all cores, best of ``repeats``.
+
+    512 MiB: past the last-level cache (300 MiB on the machine of benchmarks/results), so this
+    is DRAM; buffers that fit in cache can beat the bound it gives.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(os.cpu_count() or 1)
+    try:
+        src = torch.ones(nbytes // 4)
+        dst = torch.zeros_like(src)
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            dst.copy_(src)
+            best = min(best, time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(threads)
+    return 2 * nbytes / best
+
+
+def _machine() -> dict[str, Any]:
+    cpu = platform.processor() or "unknown"
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
+        cpu = next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
+    except (OSError, StopIteration):
+        pass
+    with open("/proc/meminfo") as f:
+        mem_kib = int(next(line.split()[1] for line in f if line.startswith("MemTotal")))
+    return {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": round(mem_kib / 2**20, 1),
+            "kernel": platform.release(), "python": platform.python_version(), "torch": torch.__version__}
+
+
+def _command(args: argparse.Namespace) -> str:
+    parts = ["slipstream bench comm", f"--nodes {args.nodes}", f"--ranks-per-node {args.ranks_per_node}"]
+    parts += [f"--link {args.link}"] if args.nodes > 1 else []
+    parts += [f"--sizes {args.sizes}", f"--ops {args.ops}", f"--impls {args.impls}",
+              f"--iters {args.iters}", f"--warmup {args.warmup}", f"--dtype {args.dtype}"]
+    return " ".join(parts)
+
+
+def _records(raw: dict, spec: ClusterSpec, mem_bw: float, args: argparse.Namespace) -> list[dict]:
+    n, nodes = raw["world_size"], spec.nodes
+    out = []
+    for r in raw["records"]:
+        op, size = r["op"], r["size_bytes"]
+        t = statistics.median(r["times_s"])
+        if nodes > 1:
+            bound = _BUS_FACTOR[op](nodes) * size * 8 / parse_rate(args.link)
+        else:
+            bound = _MEMORY_BYTES[op](n) * size / mem_bw
+        out.append(dict(op=op, size_bytes=size, impl=r["impl"], backend=raw["backend"],
+                        dtype=args.dtype, world_size=n, nodes=nodes, link=args.link if nodes > 1 else None,
+                        time_s=t, algbw_gbps=size / t / 1e9, busbw_gbps=size / t / 1e9 * _BUS_FACTOR[op](n),
+                        bound_s=bound, times_s=r["times_s"]))
+    return out
+
+
+def _table(records: list[dict]) -> str:
+    stock = {(r["op"], r["size_bytes"]): r["time_s"] for r in records if r["impl"] == "stock"}
+    rows = ["| op | size | impl | time (us) | algbw (GB/s) | busbw (GB/s) | bound (us) | of bound | vs stock |",
+            "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
+    for r in records:
+        impl = f"stock ({r['backend']})" if r["impl"] == "stock" else r["impl"]
+        ratio = "" if r["impl"] == "stock" else f"{stock[(r['op'], r['size_bytes'])] / r['time_s']:.2f}x"
+        rows.append(f"| {r['op']} | {_format_size(r['size_bytes'])} | {impl} | {r['time_s'] * 1e6:.1f} | "
+                    f"{r['algbw_gbps']:.3f} | {r['busbw_gbps']:.3f} | {r['bound_s'] * 1e6:.1f} | "
+                    f"{r['bound_s'] / r['time_s']:.0%} | {ratio} |")
+    return "\n".join(rows)
+
+
+def _report(records: list[dict], machine: dict, command: str, spec: ClusterSpec, mem_bw: float) -> str:
+    m = machine
+    where = (f"{spec.nodes} emulated nodes x {spec.ranks_per_node} ranks, link {spec.link} each way"
+             if spec.nodes > 1 else f"1 node x {spec.ranks_per_node} ranks (loopback, no emulation)")
+    bound = ("bytes across each node's link / link rate" if spec.nodes > 1
+             else f"least memory traffic / copy bandwidth {mem_bw / 1e9:.1f} GB/s")
+    return "\n".join([
+        f"machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB; kernel {m['kernel']}, "
+        f"Python {m['python']}, torch {m['torch']}",
+        f"command: {command}",
+        f"layout: {where}; dtype {records[0]['dtype']}; time = median of the slowest rank; "
+        f"vs stock = stock time / slipstream time; bound = {bound}",
+        "",
+        _table(records),
+        "",
+    ])
+
+
+def run(args: argparse.Namespace) -> int:
+    spec, sizes, ops, impls = _validate(args)
+    machine, command = _machine(), _command(args)
+    mem_bw = memory_bandwidth()
+    sys.stdout.write(f"{command}\nmemory copy bandwidth {mem_bw / 1e9:.1f} GB/s\n")
+    sys.stdout.flush()
+    with tempfile.TemporaryDirectory(prefix="slipstream-bench-") as tmp:
+        out = os.path.join(tmp, "raw.json")
+        worker = ["-m", "slipstream.bench._comm_worker", "--out", out, "--ops", ",".join(ops),
+                  "--sizes", ",".join(map(str, sizes)), "--impls", ",".join(impls), "--dtype", args.dtype,
+                  "--iters", str(args.iters), "--warmup", str(args.warmup)]
+        launch(worker, spec, timeout=args.timeout)
+        with open(out) as f:
+            raw = json.load(f)
+    records = _records(raw, spec, mem_bw, args)
+    report = _report(records, machine, command, spec, mem_bw)
+    sys.stdout.write(report)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(records, f, indent=1)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(report)
+    return 0
