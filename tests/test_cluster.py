@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import textwrap
 
 import pytest
@@ -33,7 +34,8 @@ _WORKER = textwrap.dedent(
 
 
 def _ours() -> list[str]:
-    return [n for n in _netns.list_ns() if n.startswith("slipstream-")]
+    """Namespaces made by this process (other processes may run clusters meanwhile)."""
+    return [n for n in _netns.list_ns() if n.startswith(f"slipstream-{os.getpid()}-")]
 
 
 def _run_worker(tmp_path, spec, **kw) -> list[dict]:
@@ -83,12 +85,11 @@ def test_failing_rank_fails_the_launch(tmp_path):
 @pytest.mark.netns
 def test_two_nodes_allreduce_across_the_link(tmp_path):
     spec = ClusterSpec(nodes=2, ranks_per_node=2, link="1gbit")
-    before = set(_ours())
     seen = _run_worker(tmp_path, spec)
     assert [s["sum"] for s in seen] == [10.0] * 4
     assert [s["node"] for s in seen] == ["0", "0", "1", "1"]
     assert {s["ifname"] for s in seen} == {EmulatedCluster.iface}
-    assert set(_ours()) <= before
+    assert not _ours()
 
 
 @pytest.mark.netns
@@ -113,7 +114,6 @@ def test_per_connection_cap_installs_one_class_per_port():
 
 @pytest.mark.netns
 def test_namespaces_are_deleted_after_normal_exit_and_after_an_error():
-    before = set(_ours())
     with EmulatedCluster(ClusterSpec(nodes=3, link="1gbit")) as cluster:
         made = set(cluster.namespaces) | {cluster.switch_namespace}
         assert made <= set(_netns.list_ns())
@@ -123,7 +123,7 @@ def test_namespaces_are_deleted_after_normal_exit_and_after_an_error():
             made = set(cluster.namespaces) | {cluster.switch_namespace}
             raise KeyError("boom")
     assert not made & set(_netns.list_ns())
-    assert set(_ours()) <= before
+    assert not _ours()
 
 
 @pytest.mark.netns
@@ -132,11 +132,10 @@ def test_failed_enter_removes_what_it_made(monkeypatch):
         raise _netns.NetnsError("injected")
 
     monkeypatch.setattr(_netns, "shape_egress", broken)
-    before = set(_ours())
     with pytest.raises(_netns.NetnsError, match="injected"):
         with EmulatedCluster(ClusterSpec(nodes=2, link="1gbit")):
             pass
-    assert set(_ours()) <= before
+    assert not _ours()
 
 
 def test_cluster_without_root_says_why(monkeypatch):
