@@ -146,19 +146,21 @@ def _window_mask(length: int, window: int, device: torch.device) -> torch.Tensor
 
 def _sdpa(query, key, value, packed, scaling, sliding_window, dropout):
     gqa = query.shape[1] != key.shape[1]
+    # split, not narrow: split's backward is one cat of the per-sequence grads, where narrow's
+    # would allocate and fill a full-size zero grad per sequence (profiled: 1.2 s of fill_ per
+    # step on llama-20m, batch 8 of alpaca_en_demo, 2 CPU cores).
+    lengths = list(packed.lengths)  # host ints: no device sync
     outs = []
-    start = 0
-    for length in packed.lengths:  # host ints: no device sync
+    for q, k, v in zip(*(t.split(lengths, dim=2) for t in (query, key, value))):
+        length = q.shape[2]
         if length == 0:
             continue
-        q, k, v = (t.narrow(2, start, length) for t in (query, key, value))
         if sliding_window is not None and length > sliding_window:
             mask = _window_mask(length, sliding_window, query.device)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling, enable_gqa=gqa)
         else:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout, scale=scaling, enable_gqa=gqa)
         outs.append(o)
-        start += length
     return torch.cat(outs, dim=2).transpose(1, 2)
 
 
