@@ -128,3 +128,11 @@ def test_best_fit_decreasing_batches_work_as_a_dataloader_batch_sampler():
     bins = best_fit_decreasing([5, 3, 7, 1], 8)
     loader = torch.utils.data.DataLoader(data, batch_sampler=bins, collate_fn=FlattenCollator())
     assert [b["input_ids"].shape[1] for b in loader] == [8, 8]
+
+
+def test_core_compile_imports_without_transformers():
+    import subprocess
+    import sys
+
+    code = "import sys, slipstream.core_compile; assert 'transformers' not in sys.modules, 'imported transformers'"
+    subprocess.run([sys.executable, "-c", code], check=True)

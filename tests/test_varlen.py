@@ -235,3 +235,22 @@ def test_bf16_gpu_backends_match_padded_sdpa(backend):
     ref_grads = _grads(ref)
     for n, g in _grads(ours).items():
         torch.testing.assert_close(g.float(), ref_grads[n].float(), rtol=5e-2, atol=5e-2)
+
+
+def test_caller_position_ids_are_honoured_in_padded_layout():
+    ref, ours = _model(), _model()
+    apply_varlen(ours)
+    ids, mask, labels = _padded([6, 9])
+    pos = torch.arange(9).unsqueeze(0) + 3  # shifted positions, broadcast over the batch
+    a = ours(input_ids=ids, attention_mask=mask, position_ids=pos, labels=labels)
+    b = ref(input_ids=ids, attention_mask=mask, position_ids=pos, labels=labels)
+    torch.testing.assert_close(a.loss, b.loss, rtol=1e-5, atol=1e-6)
+
+
+def test_num_items_in_batch_gives_the_summed_loss_over_that_count():
+    ref, ours = _model(), _model()
+    apply_varlen(ours)
+    ids, mask, labels = _padded([6, 9, 2])
+    a = ours(input_ids=ids, attention_mask=mask, labels=labels, num_items_in_batch=torch.tensor(40))
+    b = ref(input_ids=ids, attention_mask=mask, labels=labels, num_items_in_batch=torch.tensor(40))
+    torch.testing.assert_close(a.loss, b.loss, rtol=1e-5, atol=1e-6)

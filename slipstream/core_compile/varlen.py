@@ -211,6 +211,8 @@ def _varlen_forward(
     shift_labels = kwargs.pop("shift_labels", None)
     num_items_in_batch = kwargs.pop("num_items_in_batch", None)
     if padded:
+        if position_ids is not None:
+            position_ids = position_ids.expand(packed.padded_shape)  # (1, seq) broadcasts over the batch
         input_ids, inputs_embeds, position_ids, labels, shift_labels = (
             None if t is None else packed.unpad(t)
             for t in (input_ids, inputs_embeds, position_ids, labels, shift_labels)
