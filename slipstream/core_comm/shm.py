@@ -399,16 +399,19 @@ def _map_segment(group, rank: int, nbytes: int) -> tuple[mmap.mmap, str]:
     path = None
     fd = -1
     try:
+        error = None
         if rank == 0:
             path = f"/dev/shm/slipstream-{secrets.token_hex(16)}"
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
             try:
+                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
                 os.posix_fallocate(fd, 0, nbytes)  # fail now, not with SIGBUS mid-collective
             except OSError as e:
-                raise ShmError(f"cannot allocate {nbytes} bytes in /dev/shm: {e}") from e
-        box = [path]
+                error = f"cannot allocate {nbytes} bytes in /dev/shm: {e}"
+        box = [path, error]  # every rank learns of a failure, so all fall back alike
         dist.broadcast_object_list(box, src=src, group=group)
-        path = box[0]
+        path, error = box
+        if error:
+            raise ShmError(error)
         if rank != 0:
             fd = os.open(path, os.O_RDWR)
         mm = mmap.mmap(fd, nbytes)

@@ -1,0 +1,12 @@
+"""Fast collectives shared by every adapter: shared-memory CPU-Reduce inside a node and
+hierarchical collectives across nodes, behind one communicator per process group.
+
+Never imports an optional framework.
+"""
+
+from .communicator import Communicator, Work
+from .config import CommConfig
+from .shm import ShmComm, ShmError
+from .topology import Topology, detect_topology
+
+__all__ = ["CommConfig", "Communicator", "ShmComm", "ShmError", "Topology", "Work", "detect_topology"]

@@ -1,0 +1,276 @@
+"""The communicator every adapter calls: one per process group.
+
+It picks an algorithm per call from the size, dtype, device and op of the tensors and the
+topology of the group:
+
+    local         the group has one rank
+    shm           one node: shared-memory CPU-Reduce
+    hierarchical  several nodes of equal size: shared memory inside, stock backend across
+    staged        CUDA tensors on a group without NCCL: pinned host memory, then the above
+    stock         everything else: the group's own collective, with a debug log line saying why
+
+The choice depends only on what every rank sees alike, so all ranks choose the same.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+import torch.distributed as dist
+
+from ._compat import all_gather_into_tensor, reduce_scatter_tensor
+from .config import CommConfig
+from .groups import group_ranks, node_subgroups
+from .hierarchical import Hierarchical
+from .shm import ShmComm, ShmError, is_supported_platform
+from .staging import CudaStaging
+from .topology import Topology, detect_topology
+
+__all__ = ["Communicator", "Work"]
+
+log = logging.getLogger("slipstream.comm")
+ReduceOp = dist.ReduceOp
+
+
+class Work:
+    """Handle of an asynchronous collective, like torch.distributed's ``Work``."""
+
+    __slots__ = ("_future",)
+
+    def __init__(self, future: Future) -> None:
+        self._future = future
+
+    def wait(self, timeout=None) -> bool:
+        self._future.result()
+        return True
+
+    def is_completed(self) -> bool:
+        return self._future.done()
+
+    def get_future(self) -> Future:
+        return self._future
+
+
+class Communicator:
+    """Fast collectives over ``group`` (None: the default group). Construction is collective."""
+
+    __slots__ = (
+        "group", "config", "rank", "world", "topology",
+        "shm", "hier", "unavailable",  # built algorithms, and why the others are not
+        "_staging", "_executor", "_last",
+    )
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None = None,
+        *,
+        config: CommConfig | None = None,
+        topology: Topology | None = None,
+    ) -> None:
+        self.group = group
+        self.config = config if config is not None else CommConfig.from_env()
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        self.topology = topology if topology is not None else detect_topology(group)
+        self.shm: ShmComm | None = None
+        self.hier: Hierarchical | None = None
+        self.unavailable = self._build()
+        self._staging: dict = {}
+        self._executor: ThreadPoolExecutor | None = None
+        self._last: Future | None = None
+
+    # ---------------------------------------------------------------- set-up
+
+    def _build(self) -> str:
+        """Build what the topology allows; return why the fast paths are off, or ''."""
+        cfg, topo = self.config, self.topology
+        if self.world == 1:
+            return ""
+        if not cfg.shm:
+            return "shared memory is disabled (SLIPSTREAM_SHM=0)"
+        if not is_supported_platform():
+            return "shared-memory collectives need x86-64 Linux"
+        if topo.num_nodes > 1 and not cfg.hierarchical:
+            return "hierarchical collectives are disabled (SLIPSTREAM_HIERARCHICAL=0)"
+        if topo.num_nodes > 1 and not topo.is_uniform:
+            return f"nodes hold different numbers of ranks {topo.node_sizes}"
+        if topo.num_nodes > 1 and group_ranks(self.group) != sorted(group_ranks(self.group)):
+            return "the group's ranks are not in global-rank order"
+        if topo.num_nodes > 1 and "gloo" not in str(dist.get_backend(self.group)):
+            return "the group has no gloo backend for the inter-node CPU transport"
+        intra, inter = node_subgroups(self.group, topo)
+        try:
+            if intra is not None:
+                self.shm = ShmComm(intra, slot_bytes=cfg.slot_bytes, small_bytes=cfg.small_bytes,
+                                   timeout=cfg.timeout_s)
+        except ShmError as e:
+            return f"shared memory could not be set up: {e}"
+        if inter is not None:
+            self.hier = Hierarchical(topo, self.shm, inter, chunk_bytes=cfg.chunk_bytes)
+        return ""
+
+    def close(self) -> None:
+        self._drain()
+        if self._executor is not None:
+            self._executor.shutdown()
+        if self.shm is not None:
+            self.shm.close()
+
+    # ---------------------------------------------------------------- routing
+
+    def algorithm(self, tensor: torch.Tensor, op=ReduceOp.SUM) -> tuple[str, str]:
+        """``(algorithm, reason)`` this communicator uses for ``tensor`` and ``op``."""
+        if self.world == 1:
+            return "local", "the group has one rank"
+        if tensor.device.type == "cuda":
+            if not self.config.cuda_staging:
+                return "stock", "CUDA staging is disabled"
+            if "nccl" in str(dist.get_backend(self.group)):
+                return "stock", "CUDA tensor on a group with NCCL"
+        elif tensor.device.type != "cpu":
+            return "stock", f"device {tensor.device} is not supported"
+        probe = tensor if tensor.device.type == "cpu" else tensor.new_empty(0, device="cpu")
+        reason = ShmComm.supports(probe, op)
+        if reason:
+            return "stock", reason
+        if self.hier is not None:
+            nbytes = tensor.numel() * tensor.element_size()
+            if nbytes < self.config.min_hierarchical_bytes:
+                return "stock", f"{nbytes} bytes is below min_hierarchical_bytes"
+            return ("staged" if tensor.device.type == "cuda" else "hierarchical"), ""
+        if self.shm is not None:
+            return ("staged" if tensor.device.type == "cuda" else "shm"), ""
+        return "stock", self.unavailable or "no fast path for this topology"
+
+    def _choose(self, kind: str, tensor: torch.Tensor, op, others=()) -> str:
+        for other in others:
+            if other.device != tensor.device:
+                raise ValueError(f"{kind}: tensors on different devices: {tensor.device} and {other.device}")
+        if self.config.debug:
+            self._check_same_call(kind, tensor, op)
+        algo, why = self.algorithm(tensor, op)
+        if algo == "stock":
+            log.debug("slipstream %s of %s %s (%s): stock collective: %s",
+                      kind, tuple(tensor.shape), tensor.dtype, op, why)
+        return algo
+
+    def _check_same_call(self, kind, tensor, op) -> None:
+        mine = (kind, tensor.numel(), str(tensor.dtype), tensor.device.type, str(op))
+        every: list = [None] * self.world
+        dist.all_gather_object(every, mine, group=self.group)
+        differ = [r for r, call in enumerate(every) if call != mine]
+        if differ:
+            raise ValueError(
+                f"collective differs across ranks: group rank {self.rank} calls {mine}, "
+                f"group rank {differ[0]} calls {every[differ[0]]}"
+            )
+
+    # ---------------------------------------------------------------- collectives
+
+    def all_reduce(self, tensor: torch.Tensor, op=ReduceOp.SUM, async_op: bool = False):
+        """In place, like ``dist.all_reduce``; returns a ``Work`` when ``async_op``."""
+        algo = self._choose("all_reduce", tensor, op)
+        if algo == "stock":
+            return dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op)
+        return self._run(lambda: self._all_reduce(algo, tensor, op), async_op)
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op=ReduceOp.SUM,
+                       async_op: bool = False):
+        """Like ``dist.reduce_scatter_tensor``: ``input`` holds ``world`` blocks of ``output``'s size."""
+        _check_sizes("reduce_scatter", output, input, self.world)
+        algo = self._choose("reduce_scatter", input, op, (output,))
+        if algo == "stock":
+            return reduce_scatter_tensor(output, input, op=op, group=self.group, async_op=async_op)
+        return self._run(lambda: self._reduce_scatter(algo, output, input, op), async_op)
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
+        """Like ``dist.all_gather_into_tensor``; ``input`` may be a view into ``output``."""
+        _check_sizes("all_gather", output, input, self.world)
+        algo = self._choose("all_gather", input, ReduceOp.SUM, (output,))
+        if algo == "stock":
+            return all_gather_into_tensor(output, input, group=self.group, async_op=async_op)
+        return self._run(lambda: self._all_gather(algo, output, input), async_op)
+
+    # ---------------------------------------------------------------- execution
+
+    def _run(self, fn, async_op: bool):
+        if not async_op:
+            self._drain()  # keep the order of calls the same on every rank
+            fn()
+            return None
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="slipstream-comm")
+        self._last = self._executor.submit(fn)
+        return Work(self._last)
+
+    def _drain(self) -> None:
+        if self._last is not None:
+            self._last.result()
+            self._last = None
+
+    def _cpu_all_reduce(self, flat: torch.Tensor, op) -> None:
+        (self.hier or self.shm).all_reduce(flat, op)
+
+    def _all_reduce(self, algo, tensor, op) -> None:
+        if algo == "local":
+            return
+        if algo == "staged":
+            work = tensor if tensor.is_contiguous() else tensor.contiguous()
+            self._stager(tensor.device).all_reduce(work, lambda host: self._cpu_all_reduce(host, op))
+        else:
+            work = tensor if tensor.is_contiguous() else tensor.contiguous()
+            self._cpu_all_reduce(work.view(-1), op)
+        if work is not tensor:
+            tensor.copy_(work)
+
+    def _reduce_scatter(self, algo, output, input, op) -> None:
+        if algo == "local":
+            output.copy_(input.view_as(output))
+            return
+        if algo == "staged":
+            host_out = torch.empty(output.shape, dtype=output.dtype, pin_memory=True)
+            self._reduce_scatter("hierarchical" if self.hier else "shm", host_out,
+                                 self._stager(input.device).to_host(input), op)
+            output.copy_(host_out)
+        elif algo == "shm":
+            self.shm.reduce_scatter(output, input, op)
+        else:
+            out = output if output.is_contiguous() else torch.empty_like(output)
+            self.hier.reduce_scatter(out.view(-1), input.contiguous().view(-1), op)
+            if out is not output:
+                output.copy_(out)
+
+    def _all_gather(self, algo, output, input) -> None:
+        if algo == "local":
+            output.copy_(input.view_as(output))
+            return
+        if algo == "staged":
+            host_out = torch.empty(output.shape, dtype=output.dtype, pin_memory=True)
+            self._all_gather("hierarchical" if self.hier else "shm", host_out,
+                             self._stager(input.device).to_host(input))
+            output.copy_(host_out)
+        elif algo == "shm":
+            self.shm.all_gather(output, input)
+        else:
+            out = output if output.is_contiguous() else torch.empty_like(output)
+            self.hier.all_gather(out.view(-1), input.reshape(-1))
+            if out is not output:
+                output.copy_(out)
+
+    def _stager(self, device: torch.device) -> CudaStaging:
+        if device not in self._staging:
+            self._staging[device] = CudaStaging(device, self.config.chunk_bytes)
+        return self._staging[device]
+
+
+def _check_sizes(kind: str, output, input, world: int) -> None:
+    """``output`` holds ``world`` blocks of ``input``'s size (allgather) or the reverse."""
+    big, small = (output, input) if kind == "all_gather" else (input, output)
+    if big.numel() != small.numel() * world or output.dtype != input.dtype:
+        raise ValueError(
+            f"{kind}: output {tuple(output.shape)} {output.dtype} and input {tuple(input.shape)} "
+            f"{input.dtype}: expected the {'output' if big is output else 'input'} to hold "
+            f"world_size ({world}) times the elements of the other, of the same dtype"
+        )

@@ -1,0 +1,74 @@
+"""Settings of the collectives core. Read from the environment only in ``from_env``."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+from typing import Mapping
+
+__all__ = ["CommConfig"]
+
+_ENV_PREFIX = "SLIPSTREAM_"
+
+
+@dataclass(kw_only=True, frozen=True)
+class CommConfig:
+    """How the communicator chooses and runs its algorithms."""
+
+    shm: bool = True
+    """Use shared memory among the ranks of one node."""
+    hierarchical: bool = True
+    """Across nodes: shared memory inside, the stock backend across, pipelined."""
+    slot_bytes: int = 1 << 20
+    """Bytes per rank per pipeline slot of the shared-memory path."""
+    small_bytes: int = 64 << 10
+    """Up to this size an allreduce takes the one-synchronisation (latency) path."""
+    chunk_bytes: int = 4 << 20
+    """Chunk of the hierarchical pipeline (and of CUDA staging)."""
+    min_hierarchical_bytes: int = 0
+    """Smaller messages across nodes use the stock collective."""
+    cuda_staging: bool = True
+    """Stage CUDA tensors through pinned host memory where the group has no NCCL."""
+    timeout_s: float = 300.0
+    """A shared-memory wait longer than this raises (a peer died or called something else)."""
+    debug: bool = False
+    """Before every collective, check that all ranks call it with the same size and dtype."""
+
+    def __post_init__(self) -> None:
+        for name in ("slot_bytes", "chunk_bytes"):
+            value = getattr(self, name)
+            if value <= 0 or value % 64:
+                raise ValueError(f"{name} must be a positive multiple of 64, got {value}")
+        if not 0 <= self.small_bytes <= self.slot_bytes:
+            raise ValueError(
+                f"small_bytes must be between 0 and slot_bytes ({self.slot_bytes}), got {self.small_bytes}"
+            )
+        if self.min_hierarchical_bytes < 0:
+            raise ValueError(f"min_hierarchical_bytes must be >= 0, got {self.min_hierarchical_bytes}")
+        if self.timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] = os.environ, **overrides) -> "CommConfig":
+        """``SLIPSTREAM_<FIELD>`` (upper case) for every field, e.g. ``SLIPSTREAM_SHM=0``."""
+        values: dict = {}
+        for f in fields(cls):
+            raw = environ.get(_ENV_PREFIX + f.name.upper())
+            if raw is None:
+                continue
+            kind = type(f.default)
+            try:
+                values[f.name] = _parse_bool(raw) if kind is bool else kind(raw)
+            except ValueError as e:
+                raise ValueError(f"{_ENV_PREFIX}{f.name.upper()}={raw!r}: {e}") from None
+        values.update(overrides)
+        return cls(**values)
+
+
+def _parse_bool(raw: str) -> bool:
+    low = raw.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError("expected 1/0, true/false, yes/no or on/off")

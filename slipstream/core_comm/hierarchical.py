@@ -1,0 +1,150 @@
+"""Hierarchical collectives: inside the node through shared memory, across nodes through
+the stock backend, each local rank with its peers (the ranks of the same local index on the
+other nodes), all local ranks in parallel.
+
+allreduce      = intra reduce-scatter -> inter allreduce of the shard -> intra allgather,
+                 pipelined by chunk: the inter-node exchange of chunk k (gloo's worker thread)
+                 overlaps the intra-node work of chunk k+1 (this thread).
+reduce-scatter = intra reduce-scatter (blocks regrouped by local index) -> inter reduce-scatter
+allgather      = inter allgather -> intra allgather (then blocks put back in group order)
+
+Every node sends its data across its link once per other node's share, the least possible:
+for 2 nodes, an allreduce of S bytes sends S bytes out of each node, where a flat ring over
+all ranks sends 2(W-1)/W * S across the link that its ring crosses.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+import torch.distributed as dist
+
+from ._compat import all_gather_into_tensor, reduce_scatter_tensor
+from .shm import ShmComm
+from .topology import Topology
+
+__all__ = ["Hierarchical"]
+
+ReduceOp = dist.ReduceOp
+# AVG is a SUM at both levels and one division at the end; the rest keep their op.
+_LEVEL_OP = {ReduceOp.AVG: ReduceOp.SUM}
+
+
+class Hierarchical:
+    """Collectives of one group whose ranks sit on several nodes with the same count each.
+
+    ``shm`` spans this rank's node (None when each node holds one rank), ``inter`` is the
+    process group of this rank's peers on the other nodes.
+    """
+
+    __slots__ = ("topo", "shm", "inter", "chunk_bytes", "depth", "_inter_pos", "_order")
+
+    def __init__(
+        self,
+        topo: Topology,
+        shm: ShmComm | None,
+        inter: dist.ProcessGroup,
+        *,
+        chunk_bytes: int = 4 << 20,
+        depth: int = 2,
+    ) -> None:
+        if not topo.is_uniform:
+            raise ValueError(f"hierarchical collectives need equal nodes, got sizes {topo.node_sizes}")
+        if chunk_bytes <= 0 or depth < 1:
+            raise ValueError(f"chunk_bytes and depth must be positive, got {chunk_bytes}, {depth}")
+        self.topo = topo
+        self.shm = shm
+        self.inter = inter
+        self.chunk_bytes = chunk_bytes
+        self.depth = depth
+        # The inter group orders peers by global rank, which need not be node order.
+        peers = topo.peers(topo.local_rank)
+        self._inter_pos = [sorted(peers).index(p) for p in peers]  # node -> inter-group rank
+        # _order[l * nodes + q] = group rank of local index l on the node at inter position q
+        node_at = {q: j for j, q in enumerate(self._inter_pos)}
+        self._order = torch.tensor(
+            [topo.ranks_on(node_at[q])[l] for l in range(topo.local_size) for q in range(topo.num_nodes)]
+        )
+
+    # ---------------------------------------------------------------- allreduce
+
+    def all_reduce(self, flat: torch.Tensor, op) -> None:
+        """In place on a contiguous 1-D CPU tensor."""
+        m_local = self.topo.local_size
+        level_op = _LEVEL_OP.get(op, op)
+        step = max(m_local, self.chunk_bytes // flat.element_size() // m_local * m_local)
+        pending: deque = deque()
+        for lo in range(0, flat.numel(), step):
+            chunk = flat[lo:lo + step]
+            padded = _pad_to(chunk, m_local)
+            shard = torch.empty(padded.numel() // m_local, dtype=flat.dtype)
+            self._intra_reduce_scatter(shard, padded, level_op)
+            work = dist.all_reduce(shard, op=level_op, group=self.inter, async_op=True)
+            pending.append((work, shard, chunk, padded))
+            if len(pending) > self.depth:
+                self._finish_all_reduce(*pending.popleft())
+        while pending:
+            self._finish_all_reduce(*pending.popleft())
+        if op == ReduceOp.AVG:
+            flat.div_(self.topo.world_size)
+
+    def _finish_all_reduce(self, work, shard, chunk, padded) -> None:
+        work.wait()
+        self._intra_all_gather(padded, shard)
+        if padded is not chunk:
+            chunk.copy_(padded[: chunk.numel()])
+
+    # ---------------------------------------------------------------- reduce-scatter
+
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op) -> None:
+        """``out: (n,)`` contiguous; ``inp: (world * n,)`` contiguous, in group-rank order."""
+        n, nodes = out.numel(), self.topo.num_nodes
+        level_op = _LEVEL_OP.get(op, op)
+        # Regroup blocks as [local index][inter position] so that the intra reduce-scatter
+        # leaves each rank the blocks of its peers, in inter-group order.
+        regrouped = inp.view(self.topo.world_size, n).index_select(0, self._order)
+        mine = torch.empty(nodes * n, dtype=inp.dtype)
+        self._intra_reduce_scatter(mine, regrouped.view(-1), level_op)
+        if nodes == 1:
+            out.copy_(mine)
+        else:
+            reduce_scatter_tensor(out, mine, op=level_op, group=self.inter)
+        if op == ReduceOp.AVG:
+            out.div_(self.topo.world_size)
+
+    # ---------------------------------------------------------------- allgather
+
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        """``out: (world * n,)`` contiguous gets every rank's ``inp: (n,)`` in group order."""
+        n, nodes, m_local = inp.numel(), self.topo.num_nodes, self.topo.local_size
+        peers = torch.empty(nodes * n, dtype=inp.dtype)
+        all_gather_into_tensor(peers, inp.contiguous(), group=self.inter)
+        every = torch.empty(m_local * nodes * n, dtype=inp.dtype)
+        self._intra_all_gather(every, peers)
+        out.view(self.topo.world_size, n).index_copy_(0, self._order, every.view(m_local * nodes, n))
+
+    # ---------------------------------------------------------------- intra-node steps
+
+    def _intra_reduce_scatter(self, shard, full, op) -> None:
+        if self.shm is None:
+            shard.copy_(full)
+        else:
+            self.shm.reduce_scatter(shard, full, op)
+
+    def _intra_all_gather(self, full, shard) -> None:
+        if self.shm is None:
+            full.copy_(shard)
+        else:
+            self.shm.all_gather(full, shard)
+
+
+def _pad_to(chunk: torch.Tensor, multiple: int) -> torch.Tensor:
+    """``chunk`` itself if its length is a multiple, else a copy padded with zeros. The
+    padding is reduced with padding only, and dropped."""
+    extra = -chunk.numel() % multiple
+    if not extra:
+        return chunk
+    padded = torch.zeros(chunk.numel() + extra, dtype=chunk.dtype)
+    padded[: chunk.numel()].copy_(chunk)
+    return padded

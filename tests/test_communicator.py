@@ -1,0 +1,184 @@
+"""The communicator against gloo: every placement of ranks on (override-emulated) nodes."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from _dist import run_ranks
+from slipstream.core_comm import CommConfig, Communicator, ShmError
+from slipstream.core_comm.topology import Topology, resolve_keys
+
+R = dist.ReduceOp
+# Small chunks and slots so that modest tensors run several pipeline steps.
+SMALL = CommConfig(slot_bytes=4096, small_bytes=512, chunk_bytes=2048, timeout_s=60)
+DTYPES = [torch.float32, torch.bfloat16, torch.float64, torch.int32, torch.int64, torch.uint8]
+
+
+def _nodes(*node_of):
+    return [{"SLIPSTREAM_NODE": str(n)} for n in node_of]
+
+
+def _data(rank, seed, n, dtype):
+    g = torch.Generator().manual_seed(seed * 100 + rank)
+    if dtype.is_floating_point:
+        return torch.randn(n, generator=g).to(dtype)
+    return torch.randint(0, 50, (n,), generator=g).to(dtype)
+
+
+def _assert_matches(got, ref):
+    if got.dtype.is_floating_point:
+        tol = 5e-2 if got.dtype == torch.bfloat16 else 1e-5
+        torch.testing.assert_close(got.double(), ref.double(), rtol=tol, atol=tol)
+    else:
+        assert torch.equal(got, ref)
+
+
+def _compare_with_gloo(comm, group, rank, world, sizes):
+    """Every collective through ``comm`` equals gloo's on ``group``."""
+    seed = 0
+    for dtype in DTYPES:
+        ops = [R.SUM, R.MAX, R.MIN] + ([R.AVG] if dtype.is_floating_point else [])
+        for op in ops:
+            for n in sizes:
+                seed += 1
+                x = _data(rank, seed, n, dtype)
+                ref = x.clone()
+                dist.all_reduce(ref, op=R.SUM if op == R.AVG else op, group=group)
+                if op == R.AVG:
+                    ref = (ref.double() / world).to(dtype)
+                comm.all_reduce(x, op)
+                _assert_matches(x, ref)
+                full = _data(rank, seed + 5000, n * world, dtype)
+                rs_ref = torch.empty(n, dtype=dtype)
+                dist.reduce_scatter_tensor(rs_ref, full.clone(), op=R.SUM if op == R.AVG else op, group=group)
+                if op == R.AVG:
+                    rs_ref = (rs_ref.double() / world).to(dtype)
+                rs = torch.empty(n, dtype=dtype)
+                comm.reduce_scatter(rs, full, op)
+                _assert_matches(rs, rs_ref)
+        for n in sizes:
+            piece = _data(rank, seed + n, n, dtype)
+            ag_ref = torch.empty(n * world, dtype=dtype)
+            dist.all_gather_into_tensor(ag_ref, piece, group=group)
+            ag = torch.empty_like(ag_ref)
+            comm.all_gather(ag, piece)
+            assert torch.equal(ag, ag_ref)
+    return seed
+
+
+def _on_world(rank, world, expected_algo):
+    comm = Communicator(None, config=SMALL)
+    algo, why = comm.algorithm(torch.ones(1000))
+    assert algo == expected_algo, (algo, why)
+    _compare_with_gloo(comm, None, rank, world, [0, 1, 13, 1031])
+    comm.close()
+    return comm.topology.node_of
+
+
+@pytest.mark.parametrize(
+    "node_of, algo",
+    [
+        ((0, 0, 1, 1), "hierarchical"),  # 2 nodes x 2 ranks
+        ((0, 1, 0, 1), "hierarchical"),  # ranks of a node not consecutive
+        ((0, 1, 2), "hierarchical"),     # one rank per node: no shared memory, inter only
+        ((0, 0, 0, 1), "stock"),         # uneven nodes fall back to the stock collective
+        ((0, 0, 0), "shm"),              # one node
+    ],
+)
+def test_collectives_match_gloo_for_every_placement(node_of, algo):
+    seen = run_ranks(_on_world, len(node_of), algo, rank_env=_nodes(*node_of), timeout=300)
+    assert all(s == seen[0] for s in seen)
+
+
+def _on_subgroup(rank, world):
+    # A data-parallel group {0, 2, 4, 6}-style subgroup inside a world of 4: ranks 1 and 3.
+    sub_ranks = [1, 3]
+    other = [0, 2]
+    sub = dist.new_group(sub_ranks)
+    rest = dist.new_group(other)
+    group = sub if rank in sub_ranks else rest
+    comm = Communicator(group, config=SMALL)
+    n = _compare_with_gloo(comm, group, dist.get_rank(group), 2, [1, 1031])
+    comm.close()
+    return n
+
+
+def test_subgroups_inside_a_bigger_world_match_gloo():
+    # World ranks 0,1 on node 0 and 2,3 on node 1: each subgroup spans both nodes.
+    run_ranks(_on_subgroup, 4, rank_env=_nodes(0, 0, 1, 1), timeout=300)
+
+
+def _fallbacks_and_async(rank, world):
+    comm = Communicator(None, config=SMALL)
+    # An op the core does not implement goes to gloo and is still right.
+    x = torch.tensor([rank + 1, 6], dtype=torch.int32)
+    comm.all_reduce(x, R.BAND)
+    ref = torch.tensor([rank + 1, 6], dtype=torch.int32)
+    dist.all_reduce(ref, R.BAND)
+    assert torch.equal(x, ref)
+    assert comm.algorithm(x, R.BAND)[0] == "stock" and "op" in comm.algorithm(x, R.BAND)[1]
+    # A dtype it does not implement too.
+    c = torch.full((3,), float(rank), dtype=torch.complex64)
+    comm.all_reduce(c)
+    assert torch.allclose(c, torch.full((3,), float(sum(range(world))), dtype=torch.complex64))
+    # Async handles: several in flight, then wait; order kept with a following sync call.
+    ts = [torch.full((5000,), float(rank + k)) for k in range(3)]
+    works = [comm.all_reduce(t, async_op=True) for t in ts]
+    y = torch.ones(10)
+    comm.all_reduce(y)
+    for k, w in enumerate(works):
+        w.wait()
+        assert torch.all(ts[k] == sum(range(world)) + world * k)
+    assert torch.all(y == world)
+    out = torch.empty(world * 7)
+    comm.all_gather(out, torch.full((7,), float(rank)), async_op=True).wait()
+    assert torch.equal(out.view(world, 7)[:, 0], torch.arange(world, dtype=torch.float32))
+    # Mixed devices and ill-fitting sizes are refused with a clear message.
+    with pytest.raises(ValueError, match="different devices"):
+        comm.all_gather(torch.empty(world * 4, device="meta"), torch.ones(4))
+    with pytest.raises(ValueError, match="world_size"):
+        comm.reduce_scatter(torch.empty(3), torch.ones(3 * world + 1))
+    comm.close()
+    return True
+
+
+def test_unsupported_ops_and_dtypes_fall_back_and_async_handles_complete():
+    run_ranks(_fallbacks_and_async, 2, rank_env=_nodes(0, 0), timeout=120)
+
+
+def test_fallbacks_and_async_across_nodes():
+    run_ranks(_fallbacks_and_async, 4, rank_env=_nodes(0, 0, 1, 1), timeout=180)
+
+
+def _different_sizes(rank, world, debug):
+    comm = Communicator(None, config=CommConfig(debug=debug, timeout_s=30))
+    try:
+        comm.all_reduce(torch.ones(100 + rank))
+    except (ValueError, ShmError) as e:
+        return type(e).__name__, str(e)
+    return "none", ""
+
+
+@pytest.mark.parametrize("debug", [True, False])
+def test_tensors_of_different_sizes_across_ranks_raise_a_clear_error(debug):
+    for kind, msg in run_ranks(_different_sizes, 2, debug, rank_env=_nodes(0, 0), timeout=120):
+        assert kind == ("ValueError" if debug else "ShmError")
+        assert "differs" in msg and "100" in msg and "101" in msg
+
+
+def test_topology_keys_prefer_override_and_reject_cross_host_nodes():
+    host = "h/boot"
+    keys = resolve_keys([(("override", "a"), host), (("override", "b"), host)])
+    assert Topology.from_keys(keys, 0).node_of == (0, 1)
+    # Launcher node ranks are used when every rank has one.
+    keys = resolve_keys([(("launcher", "0"), host), (("launcher", "0"), host), (("launcher", "1"), host)])
+    assert Topology.from_keys(keys, 2).node_of == (0, 0, 1)
+    # A mix of sources falls back to the host identity.
+    assert resolve_keys([(("launcher", "0"), "x"), (None, "y")]) == ["x", "y"]
+    with pytest.raises(ValueError, match="some ranks but not"):
+        resolve_keys([(("override", "a"), host), (None, host)])
+    with pytest.raises(ValueError, match="share a host"):
+        resolve_keys([(("override", "a"), "h1/b"), (("override", "a"), "h2/b")])
+    topo = Topology((0, 1, 0, 1), 3)
+    assert topo.local_ranks == (1, 3) and topo.local_rank == 1 and topo.peers(0) == (0, 1)
+    assert not Topology((0, 0, 0, 1), 0).is_uniform
