@@ -4,9 +4,9 @@ hierarchical collectives across nodes, behind one communicator per process group
 Never imports an optional framework.
 """
 
-from .communicator import Communicator, Work
+from .communicator import Choice, Communicator, Plan, Work
 from .config import CommConfig
 from .shm import ShmComm, ShmError
 from .topology import Topology, detect_topology
 
-__all__ = ["CommConfig", "Communicator", "ShmComm", "ShmError", "Topology", "Work", "detect_topology"]
+__all__ = ["Choice", "CommConfig", "Communicator", "Plan", "ShmComm", "ShmError", "Topology", "Work", "detect_topology"]

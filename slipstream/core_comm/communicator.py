@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -28,10 +30,26 @@ from .shm import ShmComm, ShmError, is_supported_platform
 from .staging import CudaStaging
 from .topology import Topology, detect_topology
 
-__all__ = ["Communicator", "Work"]
+__all__ = ["Choice", "Communicator", "Plan", "Work"]
 
 log = logging.getLogger("slipstream.comm")
 ReduceOp = dist.ReduceOp
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What a plan picks for one (collective, size, dtype)."""
+
+    algorithm: str
+    """'stock', 'shm' or 'hierarchical'; one the topology does not allow is ignored."""
+    chunk_bytes: int | None = None
+    """Chunk of the hierarchical pipeline for this call; None keeps the config's."""
+
+
+class Plan(Protocol):
+    """Per-call choices, e.g. measured by the tuner. None means: the built-in rules."""
+
+    def choose(self, kind: str, nbytes: int, dtype: torch.dtype) -> Choice | None: ...
 
 
 class Work:
@@ -57,7 +75,7 @@ class Communicator:
     """Fast collectives over ``group`` (None: the default group). Construction is collective."""
 
     __slots__ = (
-        "group", "config", "rank", "world", "topology",
+        "group", "config", "plan", "rank", "world", "topology",
         "shm", "hier", "unavailable",  # built algorithms, and why the others are not
         "_staging", "_executor", "_last",
     )
@@ -68,9 +86,11 @@ class Communicator:
         *,
         config: CommConfig | None = None,
         topology: Topology | None = None,
+        plan: Plan | None = None,
     ) -> None:
         self.group = group
         self.config = config if config is not None else CommConfig.from_env()
+        self.plan = plan
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
         self.topology = topology if topology is not None else detect_topology(group)
@@ -108,8 +128,15 @@ class Communicator:
         except ShmError as e:
             return f"shared memory could not be set up: {e}"
         if inter is not None:
-            self.hier = Hierarchical(topo, self.shm, inter, chunk_bytes=cfg.chunk_bytes)
+            self.hier = Hierarchical(topo, self.shm, self._inter_transport(inter), chunk_bytes=cfg.chunk_bytes)
         return ""
+
+    def _inter_transport(self, inter: dist.ProcessGroup):
+        if self.config.connections == 1:
+            return inter
+        from .transport import MultiConnInter  # collective over ``inter``
+
+        return MultiConnInter(inter, connections=self.config.connections, timeout_s=self.config.timeout_s)
 
     def close(self) -> None:
         self._drain()
@@ -120,8 +147,8 @@ class Communicator:
 
     # ---------------------------------------------------------------- routing
 
-    def algorithm(self, tensor: torch.Tensor, op=ReduceOp.SUM) -> tuple[str, str]:
-        """``(algorithm, reason)`` this communicator uses for ``tensor`` and ``op``."""
+    def algorithm(self, tensor: torch.Tensor, op=ReduceOp.SUM, kind: str = "all_reduce") -> tuple[str, str]:
+        """``(algorithm, reason)`` this communicator uses for ``kind`` on ``tensor`` and ``op``."""
         if self.world == 1:
             return "local", "the group has one rank"
         if tensor.device.type == "cuda":
@@ -135,9 +162,12 @@ class Communicator:
         reason = ShmComm.supports(probe, op)
         if reason:
             return "stock", reason
+        nbytes = tensor.numel() * tensor.element_size()
+        choice = self.plan.choose(kind, nbytes, tensor.dtype) if self.plan is not None else None
+        if choice is not None and choice.algorithm == "stock":
+            return "stock", "the tuned plan measured the stock collective faster"
         if self.hier is not None:
-            nbytes = tensor.numel() * tensor.element_size()
-            if nbytes < self.config.min_hierarchical_bytes:
+            if choice is None and nbytes < self.config.min_hierarchical_bytes:
                 return "stock", f"{nbytes} bytes is below min_hierarchical_bytes"
             return ("staged" if tensor.device.type == "cuda" else "hierarchical"), ""
         if self.shm is not None:
@@ -150,7 +180,7 @@ class Communicator:
                 raise ValueError(f"{kind}: tensors on different devices: {tensor.device} and {other.device}")
         if self.config.debug:
             self._check_same_call(kind, tensor, op)
-        algo, why = self.algorithm(tensor, op)
+        algo, why = self.algorithm(tensor, op, kind)
         if algo == "stock":
             log.debug("slipstream %s of %s %s (%s): stock collective: %s",
                       kind, tuple(tensor.shape), tensor.dtype, op, why)
@@ -211,7 +241,11 @@ class Communicator:
             self._last = None
 
     def _cpu_all_reduce(self, flat: torch.Tensor, op) -> None:
-        (self.hier or self.shm).all_reduce(flat, op)
+        if self.hier is None:
+            self.shm.all_reduce(flat, op)
+            return
+        choice = self.plan.choose("all_reduce", flat.numel() * flat.element_size(), flat.dtype) if self.plan else None
+        self.hier.all_reduce(flat, op, chunk_bytes=choice.chunk_bytes if choice else None)
 
     def _all_reduce(self, algo, tensor, op) -> None:
         if algo == "local":

@@ -25,6 +25,9 @@ class CommConfig:
     """Up to this size an allreduce takes the one-synchronisation (latency) path."""
     chunk_bytes: int = 4 << 20
     """Chunk of the hierarchical pipeline (and of CUDA staging)."""
+    connections: int = 1
+    """TCP connections per inter-node peer (1-16). 1 uses the group's own backend (gloo);
+    more split each inter-node message across that many connections (``transport.py``)."""
     min_hierarchical_bytes: int = 0
     """Smaller messages across nodes use the stock collective."""
     cuda_staging: bool = True
@@ -43,6 +46,8 @@ class CommConfig:
             raise ValueError(
                 f"small_bytes must be between 0 and slot_bytes ({self.slot_bytes}), got {self.small_bytes}"
             )
+        if not 1 <= self.connections <= 16:
+            raise ValueError(f"connections must be between 1 and 16, got {self.connections}")
         if self.min_hierarchical_bytes < 0:
             raise ValueError(f"min_hierarchical_bytes must be >= 0, got {self.min_hierarchical_bytes}")
         if self.timeout_s <= 0:

@@ -16,6 +16,7 @@ all ranks sends 2(W-1)/W * S across the link that its ring crosses.
 from __future__ import annotations
 
 from collections import deque
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -24,18 +25,47 @@ from ._compat import all_gather_into_tensor, reduce_scatter_tensor
 from .shm import ShmComm
 from .topology import Topology
 
-__all__ = ["Hierarchical"]
+__all__ = ["Hierarchical", "InterTransport", "GlooInter"]
 
 ReduceOp = dist.ReduceOp
 # AVG is a SUM at both levels and one division at the end; the rest keep their op.
 _LEVEL_OP = {ReduceOp.AVG: ReduceOp.SUM}
 
 
+class InterTransport(Protocol):
+    """How a rank exchanges with its peers on the other nodes (one per node, in node order
+    given by ``Hierarchical``'s inter positions). ``GlooInter`` is the default; a
+    multi-connection TCP transport implements the same three calls."""
+
+    def all_reduce(self, shard: torch.Tensor, op, async_op: bool = False): ...
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op) -> None: ...
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor) -> None: ...
+
+
+class GlooInter:
+    """The inter-node exchange through the stock backend of a process group."""
+
+    __slots__ = ("group",)
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+
+    def all_reduce(self, shard, op, async_op=False):
+        return dist.all_reduce(shard, op=op, group=self.group, async_op=async_op)
+
+    def reduce_scatter(self, out, inp, op) -> None:
+        reduce_scatter_tensor(out, inp, op=op, group=self.group)
+
+    def all_gather(self, out, inp) -> None:
+        all_gather_into_tensor(out, inp, group=self.group)
+
+
 class Hierarchical:
     """Collectives of one group whose ranks sit on several nodes with the same count each.
 
-    ``shm`` spans this rank's node (None when each node holds one rank), ``inter`` is the
-    process group of this rank's peers on the other nodes.
+    ``shm`` spans this rank's node (None when each node holds one rank), ``inter`` connects
+    this rank with its peers on the other nodes: a process group of them (wrapped in
+    ``GlooInter``) or any ``InterTransport`` whose ranks are ordered by global rank.
     """
 
     __slots__ = ("topo", "shm", "inter", "chunk_bytes", "depth", "_inter_pos", "_order")
@@ -44,7 +74,7 @@ class Hierarchical:
         self,
         topo: Topology,
         shm: ShmComm | None,
-        inter: dist.ProcessGroup,
+        inter: dist.ProcessGroup | InterTransport,
         *,
         chunk_bytes: int = 4 << 20,
         depth: int = 2,
@@ -55,7 +85,7 @@ class Hierarchical:
             raise ValueError(f"chunk_bytes and depth must be positive, got {chunk_bytes}, {depth}")
         self.topo = topo
         self.shm = shm
-        self.inter = inter
+        self.inter = GlooInter(inter) if isinstance(inter, dist.ProcessGroup) else inter
         self.chunk_bytes = chunk_bytes
         self.depth = depth
         # The inter group orders peers by global rank, which need not be node order.
@@ -69,18 +99,20 @@ class Hierarchical:
 
     # ---------------------------------------------------------------- allreduce
 
-    def all_reduce(self, flat: torch.Tensor, op) -> None:
-        """In place on a contiguous 1-D CPU tensor."""
+    def all_reduce(self, flat: torch.Tensor, op, chunk_bytes: int | None = None) -> None:
+        """In place on a contiguous 1-D CPU tensor, in pipelined chunks of ``chunk_bytes``
+        (default: the one given at construction)."""
         m_local = self.topo.local_size
         level_op = _LEVEL_OP.get(op, op)
-        step = max(m_local, self.chunk_bytes // flat.element_size() // m_local * m_local)
+        nbytes = chunk_bytes or self.chunk_bytes
+        step = max(m_local, nbytes // flat.element_size() // m_local * m_local)
         pending: deque = deque()
         for lo in range(0, flat.numel(), step):
             chunk = flat[lo:lo + step]
             padded = _pad_to(chunk, m_local)
             shard = torch.empty(padded.numel() // m_local, dtype=flat.dtype)
             self._intra_reduce_scatter(shard, padded, level_op)
-            work = dist.all_reduce(shard, op=level_op, group=self.inter, async_op=True)
+            work = self.inter.all_reduce(shard, level_op, async_op=True)
             pending.append((work, shard, chunk, padded))
             if len(pending) > self.depth:
                 self._finish_all_reduce(*pending.popleft())
@@ -109,7 +141,7 @@ class Hierarchical:
         if nodes == 1:
             out.copy_(mine)
         else:
-            reduce_scatter_tensor(out, mine, op=level_op, group=self.inter)
+            self.inter.reduce_scatter(out, mine, level_op)
         if op == ReduceOp.AVG:
             out.div_(self.topo.world_size)
 
@@ -119,7 +151,7 @@ class Hierarchical:
         """``out: (world * n,)`` contiguous gets every rank's ``inp: (n,)`` in group order."""
         n, nodes, m_local = inp.numel(), self.topo.num_nodes, self.topo.local_size
         peers = torch.empty(nodes * n, dtype=inp.dtype)
-        all_gather_into_tensor(peers, inp.contiguous(), group=self.inter)
+        self.inter.all_gather(peers, inp.contiguous())
         every = torch.empty(m_local * nodes * n, dtype=inp.dtype)
         self._intra_all_gather(every, peers)
         out.view(self.topo.world_size, n).index_copy_(0, self._order, every.view(m_local * nodes, n))
