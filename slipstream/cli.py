@@ -14,6 +14,11 @@ import sys
 COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("bench", "comm"): ("slipstream.bench.comm", "collectives: slipstream vs the stock backend"),
     ("bench", "varlen"): ("slipstream.bench.varlen", "one training step: padded vs varlen"),
+    ("bench", "ddp"): ("slipstream.bench.ddp", "DDP training: slipstream backend vs gloo"),
+    ("bench", "transport"): ("slipstream.bench.transport", "inter-node transport: K connections vs 1"),
+    ("finetune",): ("slipstream.recipes.finetune", "fine-tune a causal LM with DeepSpeed ZeRO (+ slipstream)"),
+    ("tune",): ("slipstream.commands.tune", "measure and cache the best algorithm per size"),
+    ("env",): ("slipstream.commands.env", "topology, backend, active fast paths, versions"),
 }
 
 

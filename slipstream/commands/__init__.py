@@ -1,0 +1,1 @@
+"""Subcommands of the ``slipstream`` CLI that are neither benchmarks nor recipes."""
