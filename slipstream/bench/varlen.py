@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import platform
 import random
 import statistics
@@ -160,6 +161,7 @@ def _environment(device: torch.device, dtype: torch.dtype, threads: int) -> dict
         "transformers": transformers.__version__,
         "device": str(device),
         "dtype": str(dtype).removeprefix("torch."),
+        "load_average_1min_at_end": os.getloadavg()[0],
     }
     if device.type == "cuda":
         env["gpu"] = torch.cuda.get_device_name(device)
@@ -203,6 +205,8 @@ def run(args: argparse.Namespace) -> int:
     real = [sum(len(s["input_ids"]) for s in b) for b in timed]
     pad = [len(b) * max(len(s["input_ids"]) for s in b) for b in timed]
     paired = [tp / tv for tp, tv in zip(times["padded"], times["varlen"])]
+    # per step: achieved / ideal for that batch; robust to load drift on a shared machine
+    paired_fraction = [a / (p / r) for a, p, r in zip(paired, pad, real)]
     result = {
         "command": "slipstream bench varlen " + " ".join(sys.argv[3:] if sys.argv[1:3] == ["bench", "varlen"] else sys.argv[1:]),
         "environment": _environment(device, dtype, torch.get_num_threads()),
@@ -215,6 +219,7 @@ def run(args: argparse.Namespace) -> int:
         "ideal_ratio": sum(pad) / sum(real),
         "achieved_ratio": sum(times["padded"]) / sum(times["varlen"]),
         "achieved_ratio_median_paired": statistics.median(paired),
+        "fraction_of_ideal_median_paired": statistics.median(paired_fraction),
         "cases": {
             name: {
                 "step_seconds_median": statistics.median(times[name]),
@@ -254,7 +259,8 @@ def _markdown(r: dict[str, Any]) -> str:
         )
     lines = [
         f"model {r['model']} ({r['parameters'] / 1e6:.1f}M parameters), batch {r['batch_size']}, "
-        f"{r['steps']} timed steps per case, {e['device']} {e['dtype']}, {e['torch_threads']} torch threads",
+        f"{r['steps']} timed steps per case, {e['device']} {e['dtype']}, {e['torch_threads']} torch threads, "
+        f"1-min load average at the end {e['load_average_1min_at_end']:.1f}",
         "",
         *rows,
         "",
@@ -263,7 +269,8 @@ def _markdown(r: dict[str, Any]) -> str:
         f"- ideal ratio (padded tokens / real tokens): {r['ideal_ratio']:.3f}",
         f"- achieved ratio (padded time / varlen time): {r['achieved_ratio']:.3f} "
         f"(median of per-step pairs {r['achieved_ratio_median_paired']:.3f}); "
-        f"{r['fraction_of_ideal']:.2f} x ideal",
+        f"{r['fraction_of_ideal']:.2f} x ideal (median per-step achieved/ideal: "
+        f"{r['fraction_of_ideal_median_paired']:.2f})",
         f"- loss padded {x['loss_padded']:.6f}, varlen {x['loss_varlen']:.6f}, relative diff {x['loss_rel_diff']:.2e}",
         f"- gradients: max abs diff {x['grad_max_abs_diff']:.2e} (max |grad| {x['grad_max_abs']:.2e}), "
         f"allclose(rtol=1e-4, atol=1e-6): {x['grads_allclose_rtol1e-4_atol1e-6']}",
