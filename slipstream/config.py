@@ -1,0 +1,81 @@
+"""The one slipstream configuration, and its dictionary form.
+
+Each stack carries it in its own native place (the top-level ``"slipstream"`` section of a
+DeepSpeed JSON, an accelerate plugin, Megatron arguments); all of them are parsed here::
+
+    "slipstream": {
+        "enabled": true,
+        "comm":   {"shm": true, "chunk_bytes": 4194304, ...},   # fields of CommConfig
+        "varlen": {"enabled": true, "backend": "auto"}          # fields of VarlenConfig
+    }
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any, Mapping
+
+from .core_comm.config import CommConfig
+from .core_compile.varlen import VarlenConfig
+
+__all__ = ["SlipstreamConfig"]
+
+
+@dataclass(kw_only=True, frozen=True)
+class SlipstreamConfig:
+    """Everything slipstream does to a training job."""
+
+    enabled: bool = True
+    """Master switch: False leaves the stock stack untouched."""
+    comm: CommConfig = field(default_factory=CommConfig)
+    """Collectives: routed through the core's communicator."""
+    varlen: VarlenConfig | None = None
+    """Padding removal; None leaves the model as it is."""
+
+    @classmethod
+    def from_dict(cls, section: Mapping[str, Any] | None, where: str = "slipstream") -> "SlipstreamConfig":
+        """Parse and validate a section; errors name the offending key, e.g.
+        ``slipstream.comm.slot_bytes``. ``None`` means the section is absent: disabled."""
+        if section is None:
+            return cls(enabled=False)
+        _require_mapping(section, where)
+        _reject_unknown(section, {"enabled", "comm", "varlen"}, where)
+        enabled = _typed(section.get("enabled", True), bool, f"{where}.enabled")
+        comm = _dataclass_from(CommConfig, section.get("comm", {}), f"{where}.comm")
+        varlen_section = dict(section.get("varlen", {}))
+        _require_mapping(varlen_section, f"{where}.varlen")
+        varlen_on = _typed(varlen_section.pop("enabled", bool(varlen_section)), bool, f"{where}.varlen.enabled")
+        varlen = _dataclass_from(VarlenConfig, varlen_section, f"{where}.varlen") if varlen_on else None
+        return cls(enabled=enabled, comm=comm, varlen=varlen)
+
+
+def _require_mapping(value, where: str) -> None:
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{where} must be an object (a JSON dict), got {type(value).__name__}")
+
+
+def _reject_unknown(section: Mapping, allowed: set, where: str) -> None:
+    unknown = sorted(set(section) - allowed)
+    if unknown:
+        raise ValueError(f"{where}: unknown key {unknown[0]!r}; allowed keys: {', '.join(sorted(allowed))}")
+
+
+def _typed(value, kind: type, where: str):
+    # JSON has no int/float distinction for whole numbers; bool must not pass as int.
+    ok = isinstance(value, kind) and not (kind is not bool and isinstance(value, bool))
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if not ok:
+        raise ValueError(f"{where} must be {kind.__name__}, got {value!r}")
+    return value
+
+
+def _dataclass_from(cls, section, where: str):
+    _require_mapping(section, where)
+    by_name = {f.name: f for f in fields(cls)}
+    _reject_unknown(section, set(by_name), where)
+    values = {k: _typed(v, type(by_name[k].default), f"{where}.{k}") for k, v in section.items()}
+    try:
+        return cls(**values)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None

@@ -1,0 +1,88 @@
+"""DeepSpeed's collectives through the core: a stand-in for ``deepspeed.comm``'s backend.
+
+Every collective DeepSpeed issues goes through one module-level backend object,
+``deepspeed.comm.comm.cdb`` (ZeRO-1/2: gradient ``all_reduce``, parameter
+``all_gather_into_tensor``; ZeRO-3: async ``all_gather_into_tensor`` handles with
+``.wait()``, ``reduce_scatter_tensor`` of gradients, fp64 ``all_reduce`` of norms). The
+stand-in answers those three through a ``Communicator`` per process group and hands every
+other attribute to the original object, which stays reachable as ``__wrapped__``.
+DeepSpeed's files are not edited.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from ...core_comm import CommConfig, Communicator
+
+__all__ = ["CommBackend", "install_comm", "uninstall_comm", "installed_backend"]
+
+
+class CommBackend:
+    """Wraps a DeepSpeed ``TorchBackend``; ``__getattr__`` delegates what it does not define."""
+
+    def __init__(self, wrapped, config: CommConfig) -> None:
+        self.__wrapped__ = wrapped
+        self.config = config
+        self._comms: dict = {}  # process group -> Communicator, built on first use (collective)
+
+    def __getattr__(self, name):
+        return getattr(self.__wrapped__, name)
+
+    def communicator(self, group) -> Communicator:
+        key = group if group is not None else dist.group.WORLD
+        comm = self._comms.get(key)
+        if comm is None:
+            # First collective on this group: every member is inside the same call.
+            comm = self._comms[key] = Communicator(key, config=self.config)
+        return comm
+
+    def all_reduce(self, tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        op = self.__wrapped__._reduce_op(op)
+        return self.communicator(group).all_reduce(tensor, op, async_op=async_op)
+
+    def reduce_scatter_tensor(self, output_tensor, input_tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        op = self.__wrapped__._reduce_op(op)
+        return self.communicator(group).reduce_scatter(output_tensor, input_tensor, op, async_op=async_op)
+
+    def all_gather_into_tensor(self, output_tensor, input_tensor, group=None, async_op=False):
+        return self.communicator(group).all_gather(output_tensor, input_tensor, async_op=async_op)
+
+    def destroy_process_group(self, group=None):
+        self.close()
+        return self.__wrapped__.destroy_process_group(group)
+
+    def close(self) -> None:
+        for comm in self._comms.values():
+            comm.close()
+        self._comms.clear()
+
+
+def installed_backend() -> CommBackend | None:
+    import deepspeed.comm.comm as ds_comm
+
+    return ds_comm.cdb if isinstance(ds_comm.cdb, CommBackend) else None
+
+
+def install_comm(config: CommConfig) -> CommBackend:
+    """Swap DeepSpeed's backend object for the stand-in (idempotent: an installed stand-in is
+    kept). DeepSpeed's distributed backend must be initialised first."""
+    import deepspeed.comm.comm as ds_comm
+
+    if ds_comm.cdb is None or not ds_comm.cdb.is_initialized():
+        raise RuntimeError("deepspeed.comm is not initialised: call deepspeed.init_distributed() first")
+    current = installed_backend()
+    if current is not None:
+        return current
+    ds_comm.cdb = CommBackend(ds_comm.cdb, config)
+    return ds_comm.cdb
+
+
+def uninstall_comm() -> None:
+    """Put DeepSpeed's own backend object back (no-op when not installed)."""
+    import deepspeed.comm.comm as ds_comm
+
+    current = installed_backend()
+    if current is not None:
+        current.close()
+        ds_comm.cdb = current.__wrapped__

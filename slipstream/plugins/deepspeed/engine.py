@@ -1,0 +1,137 @@
+"""``initialize``: ``deepspeed.initialize`` plus the top-level ``"slipstream"`` config section.
+
+The section (see ``slipstream.config``) turns on the fast collectives for every ZeRO stage
+and, optionally, the padding-removal pass on the model. Without a section, or with
+``"enabled": false``, this is exactly ``deepspeed.initialize``.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import json
+import logging
+import os
+import copy
+
+from ...config import SlipstreamConfig
+from .comm import install_comm
+
+__all__ = ["initialize", "install", "uninstall", "load_ds_config", "bucket_defaults"]
+
+log = logging.getLogger("slipstream.deepspeed")
+_MARKER = "_slipstream_hook"
+
+
+def load_ds_config(config=None, args=None, config_params=None) -> dict:
+    """The DeepSpeed config as a dict, from where ``deepspeed.initialize`` would read it."""
+    source = config if config is not None else config_params
+    if source is None and args is not None:
+        source = getattr(args, "deepspeed_config", None)
+    if source is None:
+        return {}
+    if isinstance(source, dict):
+        return source
+    if isinstance(source, (str, os.PathLike)):
+        with open(source) as f:
+            try:
+                return json.load(f)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"DeepSpeed config {source}: not valid JSON: {e}") from None
+    raise TypeError(f"DeepSpeed config must be a dict or a path, got {type(source).__name__}")
+
+
+def bucket_defaults(ds_config: dict, recommended: dict) -> dict:
+    """``ds_config`` with ``recommended`` ZeRO bucket sizes filled in where the user set none."""
+    zero = dict(ds_config.get("zero_optimization", {}))
+    applied = {k: v for k, v in recommended.items() if k not in zero}
+    if not applied:
+        return ds_config
+    log.info("slipstream: ZeRO bucket sizes from the tuner: %s", applied)
+    return {**ds_config, "zero_optimization": {**zero, **applied}}
+
+
+def initialize(*args, **kwargs):
+    """Same signature and return value as ``deepspeed.initialize``."""
+    import deepspeed
+
+    original = getattr(deepspeed.initialize, "__wrapped__", deepspeed.initialize)
+    return _initialize(original, args, kwargs)
+
+
+def _initialize(original, args, kwargs):
+    bound = inspect.signature(original).bind_partial(*args, **kwargs)
+    params = bound.arguments
+    ds_config = load_ds_config(params.get("config"), params.get("args"), params.get("config_params"))
+    settings = SlipstreamConfig.from_dict(ds_config.get("slipstream"))
+    if not settings.enabled:
+        return original(*bound.args, **bound.kwargs)
+    _init_distributed(params)
+    backend = install_comm(settings.comm)
+    ds_config = bucket_defaults(ds_config, _recommended_buckets(backend))
+    if settings.varlen is not None:
+        from ...core_compile import apply_varlen
+
+        apply_varlen(params["model"], settings.varlen)
+    # Hand DeepSpeed the config with the filled-in defaults, from one place only: it refuses
+    # a config given both in args.deepspeed_config and as an argument.
+    params.pop("config_params", None)
+    if getattr(params.get("args"), "deepspeed_config", None) is not None:
+        params["args"] = copy.copy(params["args"])
+        params["args"].deepspeed_config = None
+    params["config"] = ds_config
+    return original(*bound.args, **bound.kwargs)
+
+
+def _init_distributed(params) -> None:
+    """What ``deepspeed.initialize`` would do first, so the backend exists to be wrapped."""
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    if params.get("dist_init_required") is False and not deepspeed.comm.is_initialized():
+        raise RuntimeError("slipstream needs torch.distributed initialised (dist_init_required=False)")
+    deepspeed.comm.init_distributed(
+        dist_backend=get_accelerator().communication_backend_name(),
+        distributed_port=params.get("distributed_port", 29500),
+        dist_init_required=params.get("dist_init_required"),
+    )
+
+
+def _recommended_buckets(backend) -> dict:
+    """ZeRO bucket sizes recommended for this topology (the tuner's, when it has any)."""
+    try:
+        from ...core_comm.tuner import recommend_buckets
+    except ImportError:
+        return {}
+    comm = backend.communicator(None)
+    return recommend_buckets(comm).as_deepspeed()
+
+
+def install() -> None:
+    """Make plain ``deepspeed.initialize`` honour the section. Idempotent; ``uninstall`` undoes it."""
+    import deepspeed
+
+    if getattr(deepspeed.initialize, _MARKER, False):
+        return
+    original = deepspeed.initialize
+
+    @functools.wraps(original)
+    def hooked(*args, **kwargs):
+        return _initialize(original, args, kwargs)
+
+    setattr(hooked, _MARKER, True)  # functools.wraps set __wrapped__ = original
+    deepspeed.initialize = hooked
+
+
+def uninstall() -> None:
+    """Restore ``deepspeed.initialize`` and DeepSpeed's own comm backend exactly."""
+    import sys
+
+    deepspeed = sys.modules.get("deepspeed")
+    if deepspeed is None:
+        return
+    if getattr(deepspeed.initialize, _MARKER, False):
+        deepspeed.initialize = deepspeed.initialize.__wrapped__
+    from .comm import uninstall_comm
+
+    uninstall_comm()
