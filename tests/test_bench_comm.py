@@ -39,7 +39,7 @@ def _args(**kw) -> argparse.Namespace:
 
 def test_busbw_and_memory_bound_follow_nccl_tests_on_one_node():
     raw = {"world_size": 4, "backend": "gloo", "records": [
-        {"op": op, "size_bytes": 1 << 20, "impl": "stock", "times_s": [2e-3, 1e-3, 3e-3]}
+        {"op": op, "size_bytes": 1 << 20, "impl": "stock", "times_s": [2e-3, 1e-3, 3e-3], "algorithm": "gloo"}
         for op in comm.OPS]}
     recs = {r["op"]: r for r in comm._records(raw, ClusterSpec(ranks_per_node=4), 1e9, _args())}
     algbw = (1 << 20) / 2e-3 / 1e9  # the median time is 2 ms
@@ -52,7 +52,7 @@ def test_busbw_and_memory_bound_follow_nccl_tests_on_one_node():
 
 def test_link_bound_counts_bytes_crossing_each_node_link():
     raw = {"world_size": 4, "backend": "gloo", "records": [
-        {"op": op, "size_bytes": 64 << 20, "impl": "stock", "times_s": [1.0]} for op in comm.OPS]}
+        {"op": op, "size_bytes": 64 << 20, "impl": "stock", "times_s": [1.0], "algorithm": "gloo"} for op in comm.OPS]}
     spec = ClusterSpec(nodes=2, ranks_per_node=2, link="1gbit")
     recs = {r["op"]: r for r in comm._records(raw, spec, 1e9, _args(link="1gbit"))}
     assert recs["allreduce"]["bound_s"] == pytest.approx(0.537, abs=1e-3)  # 64 MiB once

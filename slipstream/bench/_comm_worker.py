@@ -59,6 +59,15 @@ def _case(op: str, numel: int, dtype: torch.dtype, comm: Any, world: int, seed: 
     return _Case(op, comm, inp, out, source)
 
 
+def _algorithm(case: _Case, impl: str) -> str:
+    """What the communicator runs for this case (it may hand a call to the stock collective)."""
+    if impl == "stock":
+        return dist.get_backend()
+    kind = {"allreduce": "all_reduce", "allgather": "all_gather", "reduce_scatter": "reduce_scatter"}
+    algorithm, why = case.comm.algorithm(case.inp, dist.ReduceOp.SUM, kind[case.op])
+    return f"{algorithm}: {why}" if why else algorithm
+
+
 def _timed(case: _Case, impl: str) -> float:
     case.inp.copy_(case.source)
     dist.barrier()
@@ -131,8 +140,8 @@ def main() -> None:
             if len(impls) > 1:
                 _check(case, impls, op, numel * itemsize)
             times = _measure(case, impls, args.iters, args.warmup)
-            records += [dict(op=op, size_bytes=numel * itemsize, impl=impl, times_s=times[impl])
-                        for impl in impls]
+            records += [dict(op=op, size_bytes=numel * itemsize, impl=impl, times_s=times[impl],
+                             algorithm=_algorithm(case, impl)) for impl in impls]
             if rank == 0:
                 print(f"done: {op} {numel * itemsize} bytes", flush=True)
     if comm is not None:

@@ -157,7 +157,7 @@ def _records(raw: dict, spec: ClusterSpec, mem_bw: float, args: argparse.Namespa
             bound = _BUS_FACTOR[op](nodes) * size * 8 / parse_rate(args.link)
         else:
             bound = _MEMORY_BYTES[op](n) * size / mem_bw
-        out.append(dict(op=op, size_bytes=size, impl=r["impl"], backend=raw["backend"],
+        out.append(dict(op=op, size_bytes=size, impl=r["impl"], algorithm=r["algorithm"], backend=raw["backend"],
                         dtype=args.dtype, world_size=n, nodes=nodes, link=args.link if nodes > 1 else None,
                         time_s=t, algbw_gbps=size / t / 1e9, busbw_gbps=size / t / 1e9 * _BUS_FACTOR[op](n),
                         bound_s=bound, times_s=r["times_s"]))
@@ -169,7 +169,7 @@ def _table(records: list[dict]) -> str:
     rows = ["| op | size | impl | time (us) | algbw (GB/s) | busbw (GB/s) | bound (us) | of bound | vs stock |",
             "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
     for r in records:
-        impl = f"stock ({r['backend']})" if r["impl"] == "stock" else r["impl"]
+        impl = f"{r['impl']} ({r['algorithm']})"
         ratio = "" if r["impl"] == "stock" else f"{stock[(r['op'], r['size_bytes'])] / r['time_s']:.2f}x"
         rows.append(f"| {r['op']} | {_format_size(r['size_bytes'])} | {impl} | {r['time_s'] * 1e6:.1f} | "
                     f"{r['algbw_gbps']:.3f} | {r['busbw_gbps']:.3f} | {r['bound_s'] * 1e6:.1f} | "
