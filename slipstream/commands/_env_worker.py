@@ -1,0 +1,110 @@
+"""One rank of ``slipstream env``; started by torch.distributed.run on every rank.
+
+Builds the communicator the way training does, asks it what it would run and why, loads the
+tuned plan (cache, else cost model) and has rank 0 write it all as JSON to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import asdict
+
+import torch
+import torch.distributed as dist
+
+from slipstream.core_comm import Communicator
+from slipstream.core_comm.topology import host_identity, node_key_from_env
+from slipstream.core_comm.tuner import KINDS, TuneKey, _buffers, default_cache_dir, load_plan
+
+_PROBE_SIZES = (4 << 10, 1 << 20, 64 << 20)  # full buffers, as `slipstream bench comm`
+
+
+def _has_transport() -> bool:
+    try:
+        from slipstream.core_comm import transport  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _fast_paths(comm: Communicator) -> dict:
+    """Per fast path: whether it is active, and why not."""
+    topo, cfg = comm.topology, comm.config
+    off = comm.unavailable or ("the group has one rank" if comm.world == 1 else "")
+    shm_why = off or ("" if comm.shm is not None else "every node holds one rank")
+    hier_why = off or ("" if comm.hier is not None else "the group spans one node")
+    if comm.hier is None:
+        conn_why = hier_why or "no inter-node path"
+    elif cfg.connections == 1:
+        conn_why = "connections=1 (SLIPSTREAM_CONNECTIONS)"
+    else:
+        conn_why = ""
+    return {
+        "shm": {"active": comm.shm is not None, "why_not": shm_why},
+        "hierarchical": {"active": comm.hier is not None, "why_not": hier_why, "nodes": topo.num_nodes},
+        "multi_connection": {"active": not conn_why, "why_not": conn_why, "connections": cfg.connections,
+                             "transport_importable": _has_transport()},
+    }
+
+
+def _routes(comm: Communicator, plan) -> list[dict]:
+    rows = []
+    for kind in KINDS:
+        for nbytes in _PROBE_SIZES:
+            _, inp = _buffers(kind, nbytes, torch.float32, comm.world)
+            comm.plan = None
+            algo, why = comm.algorithm(inp, kind=kind)
+            comm.plan = plan
+            tuned, tuned_why = comm.algorithm(inp, kind=kind)
+            choice = plan.choose(kind, inp.numel() * inp.element_size(), inp.dtype)
+            rows.append(dict(kind=kind, size_bytes=nbytes, dtype="float32", algorithm=algo, reason=why,
+                             tuned_algorithm=tuned, tuned_reason=tuned_why,
+                             tuned_chunk_bytes=choice.chunk_bytes if choice else None))
+    comm.plan = None
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--cache-dir")
+    args = parser.parse_args()
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    comm = Communicator(None)
+    topo = comm.topology
+    ranks: list = [None] * comm.world
+    dist.all_gather_object(ranks, {"host": host_identity(), "node_key": node_key_from_env(), "pid": os.getpid()})
+    cache_dir = args.cache_dir or str(default_cache_dir())
+    plan = load_plan(comm, cache_dir=cache_dir)
+    key = TuneKey.of(comm)
+    result = {
+        "world_size": comm.world,
+        "backend": str(dist.get_backend()),
+        "topology": {"num_nodes": topo.num_nodes, "node_sizes": list(topo.node_sizes), "node_of": list(topo.node_of),
+                     "uniform": topo.is_uniform, "blocked": topo.is_blocked,
+                     "ranks": [{"rank": r, "node": topo.node_of[r], **info} for r, info in enumerate(ranks)]},
+        "config": asdict(comm.config),
+        "fast_paths": _fast_paths(comm),
+        "unavailable": comm.unavailable,
+        "routes": _routes(comm, plan),
+        "tuned": {"source": plan.source, "cache_file": os.path.join(cache_dir, key.filename()),
+                  "key": key.to_json(), "connections": plan.connections,
+                  "buckets": {**asdict(plan.buckets), "ddp": plan.buckets.ddp_kwargs(),
+                              "deepspeed": plan.buckets.deepspeed_config(), "fsdp": plan.buckets.fsdp_kwargs()},
+                  "choices": [{k: r[k] for k in ("kind", "dtype", "nbytes", "algorithm", "chunk_bytes", "source")}
+                              for r in plan.rows()]},
+    }
+    if dist.get_rank() == 0:
+        with open(args.out, "w") as f:
+            json.dump(result, f)
+    comm.close()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()

@@ -1,0 +1,101 @@
+"""``slipstream env``: the detected topology, backend, which fast paths are active and why the
+others are not, the tuned choices (from the cache, else the cost model) and versions.
+
+Ranks are started with ``slipstream.core_comm.cluster.launch`` like ``slipstream bench comm``
+(``--nodes``, ``--ranks-per-node``, ``--link``). Versions of the optional stacks are read from
+their installed metadata, without importing them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import sys
+import tempfile
+from importlib import metadata
+
+from slipstream.core_comm.cluster import ClusterSpec, launch
+
+__all__ = ["add_arguments", "run", "versions"]
+
+_OPTIONAL = ("deepspeed", "transformers", "accelerate", "megatron-core")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--nodes", type=int, default=1, help="emulated nodes (default 1; more need root)")
+    parser.add_argument("--ranks-per-node", type=int, default=2, help="ranks per node (default 2)")
+    parser.add_argument("--link", help="tc rate of each node's link, e.g. 1gbit (for --nodes > 1)")
+    parser.add_argument("--cache-dir", help="tuner cache (default ~/.cache/slipstream/tuner)")
+    parser.add_argument("--timeout", type=float, default=300, help="seconds before every rank is killed")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of text")
+
+
+def versions() -> dict[str, str | None]:
+    """Python, torch, slipstream and the optional stacks (None: not installed)."""
+    import torch
+
+    import slipstream
+
+    out: dict[str, str | None] = {"python": platform.python_version(), "torch": torch.__version__,
+                                  "slipstream": slipstream.__version__}
+    for name in _OPTIONAL:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def _size(n: int) -> str:
+    for shift, unit in ((20, "MiB"), (10, "KiB")):
+        if n >= 1 << shift and n % (1 << shift) == 0:
+            return f"{n >> shift} {unit}"
+    return f"{n} B"
+
+
+def _text(r: dict) -> str:
+    t, fp, tuned = r["topology"], r["fast_paths"], r["tuned"]
+    lines = [f"world size {r['world_size']}, backend {r['backend']}; {t['num_nodes']} node(s) of "
+             f"{t['node_sizes']} ranks (node of each rank {t['node_of']})", "fast paths:"]
+    for name, p in fp.items():
+        state = "active" if p["active"] else f"off: {p['why_not']}"
+        lines.append(f"  {name:<17} {state}")
+    lines.append("routes (float32, SUM; built-in rules -> with the tuned plan):")
+    for x in r["routes"]:
+        why = f" ({x['reason']})" if x["reason"] else ""
+        lines.append(f"  {x['kind']:<15} {_size(x['size_bytes']):>8}: {x['algorithm']}{why} -> {x['tuned_algorithm']}"
+                     + (f" ({x['tuned_reason']})" if x["tuned_reason"] else ""))
+    b = tuned["buckets"]
+    lines += [f"tuned plan: {tuned['source']} ({tuned['cache_file']}), connections {tuned['connections']}",
+              f"  buckets: DDP {b['ddp']}, DeepSpeed {b['deepspeed']}, FSDP {b['fsdp']}",
+              "versions: " + ", ".join(f"{k} {v or '-'}" for k, v in r["versions"].items())]
+    return "\n".join(lines) + "\n"
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.nodes > 1 and not args.link:
+        raise SystemExit("--nodes > 1 needs --link (e.g. 1gbit)")
+    try:
+        spec = ClusterSpec(nodes=args.nodes, ranks_per_node=args.ranks_per_node, link=args.link)
+    except ValueError as e:
+        raise SystemExit(str(e)) from e
+    with tempfile.TemporaryDirectory(prefix="slipstream-env-") as tmp:
+        out = os.path.join(tmp, "env.json")
+        worker = ["-m", "slipstream.commands._env_worker", "--out", out]
+        worker += ["--cache-dir", os.path.abspath(args.cache_dir)] if args.cache_dir else []
+        # With --json, stdout carries only the JSON: the ranks' output goes to stderr.
+        with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
+            launch(worker, spec, timeout=args.timeout)
+        with open(out) as f:
+            result = json.load(f)
+    result["launch"] = {"nodes": spec.nodes, "ranks_per_node": spec.ranks_per_node, "link": spec.link}
+    result["versions"] = versions()
+    if args.json:
+        json.dump(result, sys.stdout, indent=1)
+        sys.stdout.write("\n")
+    else:
+        sys.stdout.write(_text(result))
+    return 0

@@ -1,0 +1,128 @@
+"""``slipstream tune``: measure the communicator's choices ahead of time, cache and print them.
+
+Ranks are started with ``slipstream.core_comm.cluster.launch`` (one local node, or
+``--nodes`` emulated nodes joined by ``--link``). The cache goes where training runs look
+for it (``--cache-dir``, default ``~/.cache/slipstream/tuner``). ``--compare`` then times the
+fixed default against the tuned choice on each size (the target: never > 5% slower).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import sys
+import tempfile
+
+import torch
+
+from slipstream.bench.comm import _format_size, _machine, parse_size
+from slipstream.core_comm.cluster import ClusterSpec, launch
+
+__all__ = ["add_arguments", "run"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--nodes", type=int, default=1, help="emulated nodes (default 1; more need root)")
+    parser.add_argument("--ranks-per-node", type=int, default=4, help="ranks per node (default 4)")
+    parser.add_argument("--link", help="tc rate of each node's link, e.g. 1gbit (for --nodes > 1)")
+    parser.add_argument("--budget", type=float, default=10.0, help="seconds of measuring (default 10)")
+    parser.add_argument("--dtypes", default="float32", help="comma-separated torch dtype names")
+    parser.add_argument("--cache-dir", help="tuner cache (default ~/.cache/slipstream/tuner)")
+    parser.add_argument("--force", action="store_true", help="measure even when the cache is valid")
+    parser.add_argument("--compare", default="", help="sizes to time default vs tuned, e.g. 4K,64K,1M,16M,64M")
+    parser.add_argument("--iters", type=int, default=10, help="timed iterations per size for --compare")
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds before every rank is killed")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    parser.add_argument("--markdown", help="also write the report (machine, command, tables) here")
+
+
+def _command(args: argparse.Namespace) -> str:
+    parts = ["slipstream tune", f"--nodes {args.nodes}", f"--ranks-per-node {args.ranks_per_node}"]
+    parts += [f"--link {args.link}"] if args.link else []
+    parts += [f"--budget {args.budget:g}", f"--dtypes {args.dtypes}"]
+    parts += ["--force"] if args.force else []
+    parts += [f"--compare {args.compare} --iters {args.iters}"] if args.compare else []
+    return " ".join(parts)
+
+
+def _ms(t: float | None) -> str:
+    return "" if t is None else f"{t * 1e3:.3f}"
+
+
+def _choices_table(result: dict) -> str:
+    from slipstream.core_comm.tuner import TunedPlan
+
+    plan = TunedPlan.from_json(result["plan"])
+    world = result["world_size"]
+    rows = ["| op | size (full buffer) | dtype | choice | source | time (ms) | default | default (ms) "
+            "| vs default | candidates (ms) |", "|---|---:|---|---|---|---:|---|---:|---:|---|"]
+    for r in plan.rows():
+        full = r["nbytes"] * (world if r["kind"] == "all_gather" else 1)
+        choice = r["algorithm"] + (f" / {_format_size(r['chunk_bytes'])}" if r["chunk_bytes"] else "")
+        ratio = f"{r['default_time_s'] / r['time_s']:.2f}x" if r["time_s"] and r["default_time_s"] else ""
+        cands = ", ".join(f"{k} {_ms(v)}" for k, v in r["times_s"].items())
+        rows.append(f"| {r['kind']} | {_format_size(full)} | {r['dtype']} | {choice} | {r['source']} | "
+                    f"{_ms(r['time_s'])} | {r['default']} | {_ms(r['default_time_s'])} | {ratio} | {cands} |")
+    b = plan.buckets
+    return "\n".join(rows + [
+        "", f"connections per inter-node peer: {plan.connections}; plan {result['source']} "
+        f"(tuning took {result['tune_s']:.1f} s)",
+        f"buckets: DDP {b.ddp_kwargs()}; DeepSpeed (bf16) {b.deepspeed_config()}; FSDP (bf16) {b.fsdp_kwargs()}",
+    ])
+
+
+def _compare_table(records: list[dict]) -> str:
+    rows = ["| op | size | default | default (ms) | tuned | tuned (ms) | tuned / default |",
+            "|---|---:|---|---:|---|---:|---:|"]
+    for r in records:
+        d, t = statistics.median(r["default_times_s"]), statistics.median(r["tuned_times_s"])
+        tuned = r["tuned_algorithm"] + (f" / {_format_size(r['tuned_chunk_bytes'])}" if r["tuned_chunk_bytes"] else "")
+        rows.append(f"| {r['kind']} | {_format_size(r['size_bytes'])} | {r['default_algorithm']} | {_ms(d)} | "
+                    f"{tuned} | {_ms(t)} | {t / d:.3f} |")
+    worst = max(statistics.median(r["tuned_times_s"]) / statistics.median(r["default_times_s"]) for r in records)
+    return "\n".join(rows + ["", f"worst tuned / default: {worst:.3f} (target <= 1.05)"])
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.nodes > 1 and not args.link:
+        raise SystemExit("--nodes > 1 needs --link (e.g. 1gbit)")
+    try:
+        spec = ClusterSpec(nodes=args.nodes, ranks_per_node=args.ranks_per_node, link=args.link)
+        sizes = [parse_size(s) for s in args.compare.split(",")] if args.compare else []
+        dtypes = args.dtypes.split(",")
+    except ValueError as e:
+        raise SystemExit(str(e)) from e
+    if bad := [d for d in dtypes if not isinstance(getattr(torch, d, None), torch.dtype)]:
+        raise SystemExit(f"not torch dtype names: {bad}")
+    with tempfile.TemporaryDirectory(prefix="slipstream-tune-") as tmp:
+        out = os.path.join(tmp, "result.json")
+        worker = ["-m", "slipstream.commands._tune_worker", "--out", out, "--budget", str(args.budget),
+                  "--dtypes", args.dtypes, "--compare", ",".join(map(str, sizes)), "--iters", str(args.iters)]
+        worker += ["--cache-dir", os.path.abspath(args.cache_dir)] if args.cache_dir else []
+        worker += ["--force"] if args.force else []
+        # With --json, stdout carries only the JSON: the ranks' output goes to stderr.
+        with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
+            launch(worker, spec, timeout=args.timeout)
+        with open(out) as f:
+            result = json.load(f)
+    if args.json:
+        json.dump(result, sys.stdout, indent=1)
+        sys.stdout.write("\n")
+        return 0
+    m = _machine()
+    report = "\n".join([
+        f"machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB; kernel {m['kernel']}, "
+        f"Python {m['python']}, torch {m['torch']}",
+        f"command: {_command(args)}",
+        f"layout: {spec.nodes} node(s) x {spec.ranks_per_node} ranks" + (f", link {spec.link}" if spec.link else "")
+        + (f"; fast paths off: {result['unavailable']}" if result["unavailable"] else ""),
+        "", _choices_table(result), "",
+    ] + ([_compare_table(result["compare"]), ""] if result["compare"] else []))
+    sys.stdout.write(report)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(report)
+    return 0

@@ -1,0 +1,607 @@
+"""Measured choices for the communicator: per (collective, size, dtype) on one topology, the
+algorithm and the hierarchical chunk; topology-wide, the TCP connections per inter-node peer.
+
+    plan = load_plan(comm)              # collective: the cache, else the cost model; no measuring
+    plan = Tuner(comm).tune()           # collective: the cache, else measure (<= budget_s), cache
+    comm = Communicator(group, config=plan.apply(config), plan=plan)
+    plan.buckets.deepspeed_config()     # {"zero_optimization": {"reduce_bucket_size": ...}}
+
+Rank 0 of the group reads the cache and decides; every rank gets the plan from one broadcast,
+so ranks never disagree, whatever their disks hold. While measuring, every decision (skip a
+size for the budget, confirm a winner) is taken from times all-reduced (max) over the group,
+which every rank sees alike. A choice leaves the communicator's default only when it is
+faster by ``margin`` twice, in two separate rounds (see ``Tuner``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import time
+import warnings
+from bisect import bisect_left
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Mapping
+
+import torch
+import torch.distributed as dist
+
+from .communicator import Choice, Communicator
+from .config import CommConfig
+
+__all__ = ["BucketSizes", "TuneKey", "TunedPlan", "Tuner", "TunerCacheWarning",
+           "close_communicator", "default_cache_dir", "load_plan", "model_plan", "KINDS", "SIZE_CLASSES"]
+
+log = logging.getLogger("slipstream.tuner")
+
+KINDS = ("all_reduce", "reduce_scatter", "all_gather")
+SIZE_CLASSES = tuple(4096 << 2 * i for i in range(8))
+"""4 KiB .. 64 MiB in powers of 4: the buffer the communicator sizes its choice by (allreduce's
+tensor, reduce-scatter's input, allgather's *input*, i.e. one rank's share)."""
+CHUNK_CANDIDATES = (1 << 20, 4 << 20, 16 << 20)
+CONNECTION_CANDIDATES = (1, 4)
+FORMAT = 1  # bump when the cache layout or the meaning of an entry changes
+_ALGORITHMS = ("stock", "shm", "hierarchical")
+
+
+class TunerCacheWarning(UserWarning):
+    """A cached plan was unreadable or made for something else; it is ignored."""
+
+
+def default_cache_dir(environ: Mapping[str, str] = os.environ) -> Path:
+    """``SLIPSTREAM_TUNER_DIR``, else ``$XDG_CACHE_HOME/slipstream/tuner``, else ``~/.cache/...``."""
+    if environ.get("SLIPSTREAM_TUNER_DIR"):
+        return Path(environ["SLIPSTREAM_TUNER_DIR"])
+    base = environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "slipstream" / "tuner"
+
+
+# ---------------------------------------------------------------------------- key
+
+
+@dataclass(frozen=True, kw_only=True)
+class TuneKey:
+    """What a measured plan is valid for; a cache entry is used only for an equal key."""
+
+    world_size: int
+    node_sizes: tuple[int, ...]
+    """Ranks per node, in node order."""
+    paths: str
+    """Fast path the communicator built: 'hierarchical', 'shm' or '' (none)."""
+    torch: str
+    slipstream: str
+    format: int = FORMAT
+
+    @classmethod
+    def of(cls, comm: Communicator) -> "TuneKey":
+        from slipstream import __version__
+
+        paths = "hierarchical" if comm.hier is not None else "shm" if comm.shm is not None else ""
+        return cls(world_size=comm.world, node_sizes=tuple(comm.topology.node_sizes), paths=paths,
+                   torch=torch.__version__, slipstream=__version__)
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "node_sizes": list(self.node_sizes)}
+
+    def filename(self) -> str:
+        digest = hashlib.sha256(json.dumps(self.to_json(), sort_keys=True).encode()).hexdigest()[:16]
+        return f"w{self.world_size}-n{'x'.join(map(str, self.node_sizes))}-{digest}.json"
+
+
+# ---------------------------------------------------------------------------- buckets
+
+
+@dataclass(frozen=True, kw_only=True)
+class BucketSizes:
+    """Bucket sizes for the training stacks, in bytes of the full buffer (allreduce's tensor,
+    reduce-scatter's input, allgather's output): the smallest size whose measured bandwidth
+    is within 80% of the best measured for that collective. Bigger buckets gain little
+    bandwidth and start the first collective of a step later."""
+
+    all_reduce_bytes: int = 16 << 20
+    """DDP ``bucket_cap_mb``."""
+    reduce_scatter_bytes: int = 16 << 20
+    """ZeRO ``reduce_bucket_size`` (gradients are reduce-scattered to their owners)."""
+    all_gather_bytes: int = 16 << 20
+    """ZeRO ``allgather_bucket_size`` / ``stage3_prefetch_bucket_size``; FSDP wrap unit."""
+
+    def __post_init__(self) -> None:
+        for name, value in asdict(self).items():
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive int of bytes, got {value!r}")
+
+    def ddp_kwargs(self) -> dict:
+        """Keyword arguments of ``DistributedDataParallel``."""
+        return {"bucket_cap_mb": self.all_reduce_bytes / 2**20}
+
+    def deepspeed_config(self, element_size: int = 2) -> dict:
+        """A DeepSpeed config fragment; ZeRO counts buckets in elements (``element_size``
+        bytes each: 2 for fp16/bf16 gradients and parameters)."""
+        return {"zero_optimization": {
+            "reduce_bucket_size": self.reduce_scatter_bytes // element_size,
+            "allgather_bucket_size": self.all_gather_bytes // element_size,
+            "stage3_prefetch_bucket_size": self.all_gather_bytes // element_size,
+        }}
+
+    def fsdp_kwargs(self, element_size: int = 2) -> dict:
+        """``min_num_params`` of FSDP's size-based auto-wrap policy (accelerate's
+        ``fsdp_min_num_params``): units big enough for an all-gather at full bandwidth."""
+        return {"min_num_params": self.all_gather_bytes // element_size}
+
+
+# ---------------------------------------------------------------------------- plan
+
+
+@dataclass(frozen=True, kw_only=True)
+class Entry:
+    """One row of a plan: the choice for ``kind`` of ``nbytes`` of ``dtype``."""
+
+    kind: str
+    dtype: str | None
+    """torch dtype name, or None for any dtype (the cost model)."""
+    nbytes: int
+    choice: Choice
+    source: str
+    """'measured' or 'model' (not measured: no budget left, or no cache)."""
+    times_s: Mapping[str, float] = field(default_factory=dict)
+    """Candidate label (``stock``, ``hierarchical/4M``) -> median time of the slowest rank."""
+    default: str = ""
+    """Label of the communicator's own choice for this call (its rules, no plan)."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS or self.choice.algorithm not in _ALGORITHMS:
+            raise ValueError(f"bad entry: {self.kind} {self.choice}")
+        if not isinstance(self.nbytes, int) or self.nbytes <= 0:
+            raise ValueError(f"bad entry size {self.nbytes!r}")
+        if self.choice.chunk_bytes is not None and (not isinstance(self.choice.chunk_bytes, int)
+                                                    or self.choice.chunk_bytes <= 0):
+            raise ValueError(f"bad chunk {self.choice.chunk_bytes!r}")
+
+
+class TunedPlan:
+    """Choices per (collective, dtype, size); a ``Plan`` for ``Communicator``.
+
+    ``choose`` takes the entry of the nearest size (in log scale) of the call's dtype, or of
+    the first dtype measured when the call's was not; None (the communicator's own rules)
+    when the plan has no entry for the collective.
+    """
+
+    __slots__ = ("key", "entries", "connections", "buckets", "source", "_index")
+
+    def __init__(self, *, key: TuneKey, entries: list[Entry], connections: int = 1,
+                 buckets: BucketSizes | None = None, source: str = "model") -> None:
+        if not 1 <= connections <= 16:
+            raise ValueError(f"connections must be between 1 and 16, got {connections}")
+        self.key = key
+        self.entries = sorted(entries, key=lambda e: (KINDS.index(e.kind), str(e.dtype), e.nbytes))
+        self.connections = connections                      # topology-wide: goes into CommConfig
+        self.buckets = buckets if buckets is not None else BucketSizes()
+        self.source = source                                # 'measured', 'cached' or 'model'
+        self._index: dict = {}                              # (kind, dtype|None) -> (log2 sizes, choices)
+        for e in self.entries:
+            dtype = getattr(torch, e.dtype) if e.dtype else None
+            sizes, choices = self._index.setdefault((e.kind, dtype), ([], []))
+            sizes.append(math.log2(e.nbytes))
+            choices.append(e.choice)
+        for kind in KINDS:  # dtypes not measured use the first one measured
+            first = next((v for (k, _), v in self._index.items() if k == kind), None)
+            if first is not None:
+                self._index.setdefault((kind, None), first)
+
+    def choose(self, kind: str, nbytes: int, dtype: torch.dtype) -> Choice | None:
+        found = self._index.get((kind, dtype)) or self._index.get((kind, None))
+        if found is None:
+            return None
+        sizes, choices = found
+        x = math.log2(max(nbytes, 1))
+        i = bisect_left(sizes, x)
+        if i == len(sizes) or (i > 0 and x - sizes[i - 1] <= sizes[i] - x):
+            i -= 1
+        return choices[i]
+
+    def apply(self, config: CommConfig) -> CommConfig:
+        """``config`` with the plan's topology-wide settings (the connections it measured)."""
+        if self.key.paths != "hierarchical" or config.connections == self.connections:
+            return config
+        return replace(config, connections=self.connections)
+
+    def to_json(self) -> dict:
+        return {"format": FORMAT, "key": self.key.to_json(), "connections": self.connections,
+                "buckets": asdict(self.buckets),
+                "entries": [{**asdict(e), "choice": asdict(e.choice)} for e in self.entries]}
+
+    @classmethod
+    def from_json(cls, data: dict, *, source: str = "cached") -> "TunedPlan":
+        """Raises KeyError / TypeError / ValueError on anything malformed."""
+        key = TuneKey(**{**data["key"], "node_sizes": tuple(data["key"]["node_sizes"])})
+        entries = [Entry(**{**e, "choice": Choice(**e["choice"])}) for e in data["entries"]]
+        return cls(key=key, entries=entries, connections=int(data["connections"]),
+                   buckets=BucketSizes(**data["buckets"]), source=source)
+
+    def rows(self) -> list[dict]:
+        """One dict per entry, for tables: the choice, its time and the default's."""
+        out = []
+        for e in self.entries:
+            chosen = e.times_s.get(_label(e.choice))
+            out.append(dict(kind=e.kind, dtype=e.dtype or "any", nbytes=e.nbytes, algorithm=e.choice.algorithm,
+                            chunk_bytes=e.choice.chunk_bytes, source=e.source, default=e.default,
+                            time_s=chosen, default_time_s=e.times_s.get(e.default), times_s=dict(e.times_s)))
+        return out
+
+
+def _label(choice: Choice) -> str:
+    if choice.chunk_bytes is None:
+        return choice.algorithm
+    c = choice.chunk_bytes
+    return f"{choice.algorithm}/{c >> 20}M" if c % (1 << 20) == 0 else f"{choice.algorithm}/{c >> 10}K"
+
+
+# ---------------------------------------------------------------------------- cost model
+
+
+def model_plan(key: TuneKey, config: CommConfig) -> TunedPlan:
+    """The built-in choices where nothing was measured. See the thresholds' comments."""
+    entries = [Entry(kind=kind, dtype=None, nbytes=n, choice=choice, source="model")
+               for kind in KINDS for n in SIZE_CLASSES
+               if (choice := _model_choice(key, config, kind, n)) is not None]
+    return TunedPlan(key=key, entries=entries, connections=config.connections,
+                     buckets=_MODEL_BUCKETS.get(key.paths, BucketSizes()), source="model")
+
+
+# From `chrt -f 10 slipstream tune --budget 60` on the machine of benchmarks/results/tuner_*.md
+# (2-core KVM guest, load from other users; medians of the slowest rank):
+# - 1 node x 4 ranks: shm beat stock at every size and collective, 4 KiB - 64 MiB (allreduce
+#   0.66 vs 0.91 ms at 4 KiB, 69 vs 76 ms at 64 MiB; allgather 64 MiB 29 vs 114 ms).
+# - 2 nodes x 2 ranks, 1 Gbit/s: stock's one ring beat hierarchical's three phases up to 64 KiB
+#   (allreduce 0.80 vs 1.16 ms at 4 KiB, 0.99 vs 1.51 at 64 KiB; allgather 0.80 vs 1.28 at
+#   64 KiB), tied at 256 KiB (3.09 vs 3.17) and lost above (1 MiB: 11.3 vs 14.4 ms). The
+#   reduce-scatter gap was within noise (4 KiB: 0.83 vs 0.93 ms) and keeps the default. Chunks
+#   of 1 and 16 MiB were within 7% of 4 MiB (64 MiB: 649 / 688 / 698 ms): the default stays.
+_STOCK_BELOW = {"all_reduce": 128 << 10, "all_gather": 128 << 10}  # full-buffer bytes, across nodes
+# Buckets, same runs: the smallest size within 80% of the best bandwidth (1 MiB floor): 1 node
+# allreduce 4 MiB, reduce-scatter 16 MiB, allgather 4 MiB; across the 1 Gbit/s link every
+# collective is link-bound from 1 MiB (allreduce 1 MiB 11.3 ms = 93 MB/s, 64 MiB 96 MB/s).
+# Faster links saturate later: `slipstream tune` measures the real cluster.
+_MODEL_BUCKETS = {
+    "shm": BucketSizes(all_reduce_bytes=4 << 20, reduce_scatter_bytes=16 << 20, all_gather_bytes=4 << 20),
+    "hierarchical": BucketSizes(all_reduce_bytes=1 << 20, reduce_scatter_bytes=1 << 20, all_gather_bytes=1 << 20),
+}
+
+
+def _model_choice(key: TuneKey, config: CommConfig, kind: str, nbytes: int) -> Choice | None:
+    """``nbytes`` as the communicator passes it (allgather: one rank's input)."""
+    if key.paths == "shm":
+        return Choice("shm")
+    if key.paths != "hierarchical":
+        return None
+    full = nbytes * (key.world_size if kind == "all_gather" else 1)
+    if full < _STOCK_BELOW.get(kind, 0):
+        return Choice("stock")
+    return Choice("hierarchical", config.chunk_bytes if kind == "all_reduce" else None)
+
+
+# ---------------------------------------------------------------------------- cache
+
+
+def _read_cache(path: Path, key: TuneKey) -> dict | None:
+    """The cached plan's JSON if valid for ``key``; None (with a warning unless absent)."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        TunedPlan.from_json(data)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        warnings.warn(f"ignoring unreadable tuner cache {path}: {type(e).__name__}: {e}",
+                      TunerCacheWarning, stacklevel=3)
+        return None
+    if data.get("format") != FORMAT or data["key"] != key.to_json():
+        warnings.warn(f"ignoring stale tuner cache {path}: made for {data['key']}, this run is "
+                      f"{key.to_json()}", TunerCacheWarning, stacklevel=3)
+        return None
+    return data
+
+
+def _write_cache(path: Path, plan: TunedPlan) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        with open(tmp, "w") as f:
+            json.dump(plan.to_json(), f, indent=1)
+        os.replace(tmp, path)  # readers see the old file or the new one, never half of one
+    except OSError as e:
+        warnings.warn(f"could not write the tuner cache {path}: {e}", TunerCacheWarning, stacklevel=3)
+
+
+def _broadcast_from_rank0(obj, group):
+    box = [obj]
+    src = 0 if group is None or group is dist.GroupMember.WORLD else dist.get_global_rank(group, 0)
+    dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]
+
+
+def load_plan(comm: Communicator, *, cache_dir: str | os.PathLike | None = None) -> TunedPlan:
+    """Collective: the cached plan for ``comm``'s topology, else the cost model. Never measures."""
+    key = TuneKey.of(comm)
+    path = Path(cache_dir if cache_dir is not None else default_cache_dir()) / key.filename()
+    data = _read_cache(path, key) if comm.rank == 0 else None
+    data = _broadcast_from_rank0(data, comm.group)
+    if data is None:
+        return model_plan(key, comm.config)
+    return TunedPlan.from_json(data, source="cached")
+
+
+# ---------------------------------------------------------------------------- measuring
+
+
+class _Fixed:
+    """A plan that always returns one choice (None: the communicator's own rules)."""
+
+    __slots__ = ("choice",)
+
+    def __init__(self, choice: Choice | None) -> None:
+        self.choice = choice
+
+    def choose(self, kind, nbytes, dtype):
+        return self.choice
+
+
+def _buffers(kind: str, nbytes: int, dtype: torch.dtype, world: int):
+    """``(output, input)`` of zeros (sums stay finite) for a full buffer of ``nbytes``:
+    allreduce's tensor, reduce-scatter's input, allgather's output (as ``bench comm``)."""
+    numel = max(world, nbytes // torch.empty(0, dtype=dtype).element_size() // world * world)
+    if kind == "all_reduce":
+        inp = torch.zeros(numel, dtype=dtype)
+        return inp, inp
+    small, full = torch.zeros(numel // world, dtype=dtype), torch.zeros(numel, dtype=dtype)
+    return (small, full) if kind == "reduce_scatter" else (full, small)
+
+
+def _call(comm: Communicator, kind: str, out: torch.Tensor, inp: torch.Tensor) -> None:
+    if kind == "all_reduce":
+        comm.all_reduce(inp)
+    elif kind == "reduce_scatter":
+        comm.reduce_scatter(out, inp)
+    else:
+        comm.all_gather(out, inp)
+
+
+def _candidates(comm: Communicator, kind: str, inp: torch.Tensor,
+                chunks: tuple[int, ...]) -> tuple[Choice | None, list[Choice]]:
+    """The communicator's own choice for this call, and the other ways it can run it (one
+    hierarchical chunk size per distinct number of chunks). ``(None, [])``: nothing to choose."""
+    if comm.hier is not None:
+        others = [Choice("stock")]
+        if kind == "all_reduce":
+            nbytes, by_count = inp.numel() * inp.element_size(), {}
+            for c in sorted(set(chunks) | {comm.config.chunk_bytes}):
+                if -(-nbytes // c) not in by_count or c == comm.config.chunk_bytes:
+                    by_count[-(-nbytes // c)] = c
+            others += [Choice("hierarchical", c) for c in by_count.values()]
+        else:
+            others.append(Choice("hierarchical"))
+    elif comm.shm is not None:
+        others = [Choice("stock"), Choice("shm")]
+    else:
+        return None, []
+    saved, comm.plan = comm.plan, None
+    try:
+        algo, _ = comm.algorithm(inp, kind=kind)
+    finally:
+        comm.plan = saved
+    chunk = comm.config.chunk_bytes if algo == "hierarchical" and kind == "all_reduce" else None
+    default = Choice(algo, chunk)
+    return default, [c for c in others if c != default]
+
+
+class Tuner:
+    """Measures a plan for ``comm`` on its real group within ``budget_s`` seconds; collective.
+
+    Connections first (hierarchical groups, when the multi-connection transport exists): an
+    8 MiB allreduce with each count. Then sizes smallest first, every collective at each size.
+    A step the times so far predict would overrun the budget is skipped, and that
+    collective's larger sizes with it: their entries come from the cost model. A step is one
+    warm-up call per candidate, then ``reps`` rounds over the candidates in alternating
+    order, each call timed from a barrier; the slowest rank's median counts. A candidate must
+    beat the communicator's default by ``margin`` in that step and again in a second round
+    against the default alone; otherwise the default stays (other users load these cores too,
+    and one lucky round must not make a choice slower than the default).
+    """
+
+    __slots__ = ("comm", "budget_s", "dtypes", "sizes", "kinds", "chunks", "connections",
+                 "margin", "reps", "cache_dir",
+                 "_start", "_elapsed", "_history")  # agreed progress of one measurement
+
+    def __init__(self, comm: Communicator, *, budget_s: float = 10.0,
+                 dtypes: tuple[torch.dtype, ...] = (torch.float32,), sizes: tuple[int, ...] = SIZE_CLASSES,
+                 kinds: tuple[str, ...] = KINDS, chunks: tuple[int, ...] = CHUNK_CANDIDATES,
+                 connections: tuple[int, ...] = CONNECTION_CANDIDATES, margin: float = 0.1, reps: int = 5,
+                 cache_dir: str | os.PathLike | None = None) -> None:
+        if budget_s <= 0 or not 0 <= margin < 1 or reps < 1:
+            raise ValueError(f"need budget_s > 0, 0 <= margin < 1, reps >= 1; got {budget_s}, {margin}, {reps}")
+        if not set(kinds) <= set(KINDS) or not kinds:
+            raise ValueError(f"kinds must be among {KINDS}, got {kinds}")
+        if not sizes or any(not isinstance(n, int) or n <= 0 for n in sizes):
+            raise ValueError(f"sizes must be positive ints of bytes, got {sizes}")
+        if any(not 1 <= k <= 16 for k in connections) or any(c <= 0 or c % 64 for c in chunks):
+            raise ValueError("connections must be 1-16 and chunks positive multiples of 64")
+        self.comm = comm
+        self.budget_s = budget_s
+        self.dtypes, self.sizes, self.kinds = tuple(dtypes), tuple(sorted(sizes)), tuple(kinds)
+        self.chunks, self.connections = tuple(chunks), tuple(connections)
+        self.margin, self.reps = margin, reps
+        self.cache_dir = Path(cache_dir if cache_dir is not None else default_cache_dir())
+        self._start = self._elapsed = 0.0
+        self._history: dict = {}  # (kind, dtype, label) -> [(nbytes, median s)]
+
+    def tune(self, *, force: bool = False) -> TunedPlan:
+        """The cached plan if valid for this topology and these versions, else measure and
+        cache (rank 0 writes). ``force`` measures even when the cache is valid."""
+        key = TuneKey.of(self.comm)
+        path = self.cache_dir / key.filename()
+        data = _read_cache(path, key) if self.comm.rank == 0 and not force else None
+        data = _broadcast_from_rank0(data, self.comm.group)
+        if data is not None:
+            return TunedPlan.from_json(data, source="cached")
+        plan = self.measure()
+        if self.comm.rank == 0:
+            _write_cache(path, plan)
+        return plan
+
+    def measure(self) -> TunedPlan:
+        """Measure now (no cache); rank 0's plan is broadcast, so every rank returns the same."""
+        comm, key = self.comm, TuneKey.of(self.comm)
+        dist.barrier(group=comm.group)
+        self._start, self._elapsed, self._history = time.perf_counter(), 0.0, {}
+        runner, connections = self._pick_connections(key)
+        try:
+            entries = [e for dtype in self.dtypes for e in self._measure_dtype(runner, key, dtype)]
+        finally:
+            if runner is not comm:
+                close_communicator(runner)
+        plan = TunedPlan(key=key, entries=entries, connections=connections,
+                         buckets=_buckets(entries, key), source="measured")
+        data = _broadcast_from_rank0(plan.to_json() if comm.rank == 0 else None, comm.group)
+        log.info("tuned %s in %.1f s (budget %.1f s)", key.filename(), self._elapsed, self.budget_s)
+        return TunedPlan.from_json(data, source="measured")
+
+    # ------------------------------------------------------------ steps
+
+    def _measure_dtype(self, comm: Communicator, key: TuneKey, dtype: torch.dtype) -> list[Entry]:
+        name, entries, stopped = str(dtype).removeprefix("torch."), [], set()
+        for nbytes in self.sizes:
+            for kind in self.kinds:
+                out, inp = _buffers(kind, nbytes, dtype, comm.world)
+                default, others = _candidates(comm, kind, inp, self.chunks)
+                if default is None:
+                    continue
+                size = inp.numel() * inp.element_size()
+                runs = {_label(c): c for c in [default, *self._pruned(kind, name, others, size)]}
+                cost = (1 + self.reps) * sum(self._predict(kind, name, label, size) for label in runs)
+                if kind in stopped or self._elapsed + cost > self.budget_s:
+                    stopped.add(kind)
+                    choice = _model_choice(key, comm.config, kind, size)
+                    entries.append(Entry(kind=kind, dtype=name, nbytes=size, choice=choice,
+                                         source="model", default=_label(default)))
+                    continue
+                times = self._round(comm, kind, out, inp, runs, default)
+                choice = self._decide(comm, kind, out, inp, runs, default, times)
+                for label, t in times.items():
+                    self._history.setdefault((kind, name, label), []).append((size, t))
+                entries.append(Entry(kind=kind, dtype=name, nbytes=size, choice=choice, source="measured",
+                                     times_s=times, default=_label(default)))
+        return entries
+
+    def _decide(self, comm, kind, out, inp, runs, default, times) -> Choice:
+        """The winner if it beats the default by ``margin`` twice, else the default."""
+        dlabel = _label(default)
+        best = min(times, key=times.get)
+        if best == dlabel or times[best] > (1 - self.margin) * times[dlabel]:
+            return default
+        pair = {dlabel: default, best: runs[best]}
+        cost = (1 + self.reps) * (times[best] + times[dlabel])
+        if self._elapsed + cost > self.budget_s:
+            return default
+        again = self._round(comm, kind, out, inp, pair, default)
+        return runs[best] if again[best] <= (1 - self.margin) * again[dlabel] else default
+
+    def _pruned(self, kind, dtype, others, nbytes) -> list[Choice]:
+        """Drop candidates 1.5x slower than the best at the largest size measured so far:
+        the gaps between algorithms widen with size rather than close."""
+        last = {label: h[-1][1] for (k, d, label), h in self._history.items() if k == kind and d == dtype}
+        if not last:
+            return others
+        best = min(last.values())
+        return [c for c in others if last.get(_label(c), 0.0) <= 1.5 * best]
+
+    def _predict(self, kind, dtype, label, nbytes) -> float:
+        """Seconds per call: a line through the last two sizes measured (latency + bytes / bandwidth)."""
+        h = self._history.get((kind, dtype, label), [])
+        if not h:
+            return 1e-3
+        if len(h) == 1:
+            return h[-1][1] * max(1.0, nbytes / h[-1][0])
+        (n1, t1), (n2, t2) = h[-2:]
+        return t2 + max(0.0, (t2 - t1) / (n2 - n1)) * (nbytes - n2)
+
+    def _round(self, comm, kind, out, inp, runs: dict, default: Choice) -> dict[str, float]:
+        """Median over ``reps`` of each candidate's slowest-rank time; updates the agreed clock."""
+        plans = {label: _Fixed(None if c == default else c) for label, c in runs.items()}
+        return self._timed({label: (comm, p, kind, out, inp) for label, p in plans.items()})
+
+    def _timed(self, calls: dict) -> dict[str, float]:
+        labels, group = list(calls), self.comm.group
+        local = torch.zeros(len(labels), self.reps, dtype=torch.float64)
+        for r in range(-1, self.reps):  # round -1 warms up
+            for i in (range(len(labels)) if r % 2 == 0 else reversed(range(len(labels)))):
+                comm, plan, kind, out, inp = calls[labels[i]]
+                saved, comm.plan = comm.plan, plan
+                try:
+                    dist.barrier(group=group)
+                    t0 = time.perf_counter()
+                    _call(comm, kind, out, inp)
+                    if r >= 0:
+                        local[i, r] = time.perf_counter() - t0
+                finally:
+                    comm.plan = saved
+        flat = torch.cat([local.flatten(), torch.tensor([time.perf_counter() - self._start], dtype=torch.float64)])
+        dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=group)
+        self._elapsed = flat[-1].item()
+        med = flat[:-1].view(len(labels), self.reps).median(dim=1).values
+        return {label: med[i].item() for i, label in enumerate(labels)}
+
+    def _pick_connections(self, key: TuneKey) -> tuple[Communicator, int]:
+        """The communicator to measure the table with, and its connections per peer."""
+        comm, cfg = self.comm, self.comm.config
+        counts = sorted(set(self.connections) | {cfg.connections})
+        if key.paths != "hierarchical" or len(counts) < 2 or not _has_transport():
+            return comm, cfg.connections
+        comms = {k: comm if k == cfg.connections else
+                 Communicator(comm.group, config=replace(cfg, connections=k), topology=comm.topology)
+                 for k in counts}
+        out, inp = _buffers("all_reduce", 8 << 20, torch.float32, comm.world)
+        times = self._timed({str(k): (c, _Fixed(None), "all_reduce", out, inp) for k, c in comms.items()})
+        best = int(min(times, key=times.get))
+        if times[str(best)] > (1 - self.margin) * times[str(cfg.connections)]:
+            best = cfg.connections
+        for k, c in comms.items():
+            if k != best and c is not comm:
+                close_communicator(c)
+        return comms[best], best
+
+
+def close_communicator(comm: Communicator) -> None:
+    """``comm.close()``, and its multi-connection transport's sockets and threads, which
+    ``Communicator.close`` leaves open."""
+    comm.close()
+    inter = comm.hier.inter if comm.hier is not None else None
+    if inter is not None and hasattr(inter, "close"):
+        inter.close()
+
+
+def _has_transport() -> bool:
+    try:
+        from . import transport  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _buckets(entries: list[Entry], key: TuneKey) -> BucketSizes:
+    """Per collective, the smallest full buffer within 80% of the best measured bandwidth."""
+    model = _MODEL_BUCKETS.get(key.paths, BucketSizes())
+    sizes = {}
+    for kind in KINDS:
+        measured = [e for e in entries if e.kind == kind and e.source == "measured"]
+        points = [(e.nbytes * (key.world_size if kind == "all_gather" else 1), e.times_s[_label(e.choice)])
+                  for e in measured if e.dtype == measured[0].dtype]
+        if len(points) < 2:
+            sizes[kind] = getattr(model, f"{kind}_bytes")
+            continue
+        best = max(n / t for n, t in points)
+        sizes[kind] = max(1 << 20, min(n for n, t in points if n / t >= 0.8 * best))
+    return BucketSizes(**{f"{k}_bytes": v for k, v in sizes.items()})
