@@ -1,0 +1,230 @@
+"""One rank of ``slipstream finetune``: DeepSpeed ZeRO training of a causal LM on alpaca data.
+
+Started by ``slipstream.recipes.finetune`` through torch's launcher. Stock and slipstream runs
+share everything but the ``"slipstream"`` config section: the same samples in the same
+micro-batches (split across ranks by tokens), the same seed, and the same loss, the step's
+summed cross-entropy over its global count of target tokens (exact under accumulation).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ..core_compile import GradReduction, balance, global_token_count, step_loss
+from .data import generate_alpaca, load_alpaca, tokenize_alpaca
+from .model import build_model
+from .tokenizer import load_tokenizer
+
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+WARMUP_STEPS = 2  # excluded from the throughput medians: lazy set-up of comm and kernels
+
+
+def parse(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    for name, kind, default in [
+        ("--impl", str, "slipstream"), ("--model", str, "llama-tiny"), ("--tokenizer", str, None),
+        ("--data", str, None), ("--samples", int, 400), ("--max-length", int, 512),
+        ("--steps", int, 20), ("--zero", int, 2), ("--batch-size", int, 8), ("--grad-accum", int, 1),
+        ("--lr", float, 1e-3), ("--seed", int, 0), ("--config", str, None), ("--output-dir", str, "out"),
+    ]:
+        p.add_argument(name, type=kind, default=default)
+    return p.parse_args(argv)
+
+
+def ds_config(args) -> dict:
+    path = args.config or CONFIG_DIR / f"zero{args.zero}.json"
+    with open(path) as f:
+        cfg = json.load(f)
+    cfg["train_micro_batch_size_per_gpu"] = args.batch_size
+    cfg["gradient_accumulation_steps"] = args.grad_accum
+    cfg.setdefault("zero_optimization", {})["stage"] = args.zero
+    cfg.setdefault("optimizer", {}).setdefault("params", {})["lr"] = args.lr
+    if args.impl == "stock":
+        cfg.pop("slipstream", None)
+    return cfg
+
+
+def load_samples(args, tokenizer) -> list[dict]:
+    records = load_alpaca(args.data) if args.data else generate_alpaca(args.samples, seed=args.seed)
+    return [s for s in tokenize_alpaca(records, tokenizer, max_length=args.max_length) if len(s["input_ids"]) > 1]
+
+
+def step_micro_batches(samples, step, args, rank, world) -> list[list[dict]]:
+    """This rank's micro-batches of ``step``: the step's samples split by tokens over every
+    (rank, micro-step), the same split for stock and slipstream."""
+    per_step = args.batch_size * world * args.grad_accum
+    order = list(range(len(samples)))
+    random.Random(args.seed + step // max(1, len(samples) // per_step)).shuffle(order)
+    start = (step * per_step) % max(1, len(samples) - per_step + 1)
+    chosen = order[start:start + per_step]
+    lengths = [len(s["input_ids"]) for s in samples]
+    groups = balance(lengths, chosen, world * args.grad_accum)
+    mine = groups[rank * args.grad_accum:(rank + 1) * args.grad_accum]
+    return [[samples[i] for i in g] for g in mine]
+
+
+def pad(batch: list[dict], pad_id: int) -> dict:
+    width = max(len(s["input_ids"]) for s in batch)
+    ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(batch), width), -100, dtype=torch.long)
+    mask = torch.zeros((len(batch), width), dtype=torch.long)
+    for row, s in enumerate(batch):
+        n = len(s["input_ids"])
+        ids[row, :n] = torch.tensor(s["input_ids"])
+        labels[row, :n] = torch.tensor(s["labels"])
+        mask[row, :n] = 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+class CommTimer:
+    """Wall time spent inside DeepSpeed's collectives (waits on async handles included)."""
+
+    OPS = ("all_reduce", "reduce_scatter_tensor", "all_gather_into_tensor", "broadcast", "reduce",
+           "all_gather", "barrier", "all_reduce_coalesced")
+
+    def __init__(self, backend) -> None:
+        self.backend = backend
+        self.seconds = 0.0
+
+    def __getattr__(self, name):
+        attr = getattr(self.backend, name)
+        if name not in self.OPS:
+            return attr
+
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            handle = attr(*args, **kwargs)
+            self.seconds += time.perf_counter() - t0
+            return _TimedHandle(handle, self) if handle is not None and hasattr(handle, "wait") else handle
+
+        return timed
+
+
+class _TimedHandle:
+    def __init__(self, handle, timer) -> None:
+        self._handle, self._timer = handle, timer
+
+    def wait(self, *args, **kwargs):
+        t0 = time.perf_counter()
+        out = self._handle.wait(*args, **kwargs)
+        self._timer.seconds += time.perf_counter() - t0
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self._handle, name)
+
+
+def train(args) -> dict:
+    import deepspeed
+    import deepspeed.comm.comm as ds_comm
+
+    import slipstream.deepspeed as sds
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    deepspeed.init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else "nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    tokenizer = load_tokenizer(args.tokenizer or (args.model if os.path.isdir(args.model) else None))
+    samples = load_samples(args, tokenizer)
+    model = build_model(args.model, vocab_size=len(tokenizer), seed=args.seed, pad_token_id=tokenizer.pad_token_id)
+    init = deepspeed.initialize if args.impl == "stock" else sds.initialize
+    engine, *_ = init(model=model, model_parameters=model.parameters(), config=ds_config(args))
+    timer = ds_comm.cdb = CommTimer(ds_comm.cdb)
+    reduction = GradReduction.for_deepspeed()
+    bar = _progress(args) if rank == 0 else None
+    records = []
+    try:
+        for step in range(args.steps):
+            records.append(_train_step(engine, samples, step, args, rank, world, reduction, timer, tokenizer))
+            if bar is not None:
+                r = records[-1]
+                bar.set_postfix(loss=f"{r['loss']:.4f}", tok_s=f"{r['real_tokens'] / r['step_time_s']:.0f}", refresh=False)
+                bar.update(1)
+    finally:
+        ds_comm.cdb = timer.backend
+        if bar is not None:
+            bar.close()
+    ckpt = Path(args.output_dir) / f"checkpoint-{args.impl}"
+    engine.save_checkpoint(str(ckpt), tag=f"step{args.steps}")
+    peak = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0])
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    return _summary(args, records, float(peak), ckpt)
+
+
+def _train_step(engine, samples, step, args, rank, world, reduction, timer, tokenizer) -> dict:
+    micro = [pad(b, tokenizer.pad_token_id) for b in step_micro_batches(samples, step, args, rank, world)]
+    timer.seconds = 0.0
+    t0 = time.perf_counter()
+    tokens = global_token_count([m["labels"] for m in micro], group=dist.group.WORLD)
+    loss_sum = torch.zeros(())
+    for m in micro:
+        out = engine(**m, num_items_in_batch=1)  # the summed loss of the micro-batch
+        loss = step_loss(out.loss, tokens, dp_world_size=world, grad_accum_steps=args.grad_accum,
+                         reduction=reduction)
+        engine.backward(loss)
+        engine.step()
+        loss_sum += out.loss.detach()
+    elapsed = time.perf_counter() - t0
+    counts = torch.tensor([loss_sum.item(), sum(float(m["attention_mask"].sum()) for m in micro),
+                           sum(float(m["attention_mask"].numel()) for m in micro)], dtype=torch.float64)
+    dist.all_reduce(counts)
+    return {"loss": counts[0].item() / max(1, int(tokens)), "real_tokens": counts[1].item(),
+            "padded_tokens": counts[2].item(), "step_time_s": elapsed, "comm_time_s": timer.seconds}
+
+
+def _progress(args):
+    from tqdm import tqdm
+
+    class _Lines:  # the launcher streams by line: one refreshed bar per line
+        def write(self, s):
+            sys.stdout.write(s.replace("\r", "\n") if s.strip() else "")
+
+        def flush(self):
+            sys.stdout.flush()
+
+    return tqdm(total=args.steps, desc=f"finetune [{args.impl}]", file=_Lines(), mininterval=0, ascii=True,
+                ncols=100)
+
+
+def _summary(args, records, peak_mb, ckpt) -> dict:
+    timed = records[WARMUP_STEPS:] or records
+    median = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+    real = sum(r["real_tokens"] for r in timed)
+    seconds = sum(r["step_time_s"] for r in timed)
+    return {
+        "impl": args.impl, "steps": args.steps, "zero": args.zero,
+        "tokens_per_s": real / seconds, "step_time_s": median([r["step_time_s"] for r in timed]),
+        "comm_time_s": median([r["comm_time_s"] for r in timed]), "peak_mem_mb": peak_mb,
+        "padding_removed": _padding_removed(args, records),
+        "losses": [r["loss"] for r in records], "final_loss": records[-1]["loss"], "checkpoint": str(ckpt),
+    }
+
+
+def _padding_removed(args, records) -> float:
+    """Share of the padded batch's tokens the model did not compute (0 without the varlen pass)."""
+    varlen = ds_config(args).get("slipstream", {}).get("varlen", {}).get("enabled", False)
+    if args.impl == "stock" or not varlen:
+        return 0.0
+    return 1 - sum(r["real_tokens"] for r in records) / sum(r["padded_tokens"] for r in records)
+
+
+def main(argv=None) -> None:
+    args = parse(argv)
+    summary = train(args)
+    if dist.get_rank() == 0:
+        out = Path(args.output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / f"{args.impl}.json").write_text(json.dumps(summary, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

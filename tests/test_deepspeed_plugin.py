@@ -1,0 +1,207 @@
+"""The DeepSpeed adapter against stock DeepSpeed on the same ranks."""
+
+import pytest
+import torch
+
+deepspeed = pytest.importorskip("deepspeed")
+
+from _dist import run_ranks  # noqa: E402
+from slipstream.config import SlipstreamConfig  # noqa: E402
+
+# Small slots and chunks so that these small models run multi-chunk pipelines.
+COMM = {"slot_bytes": 4096, "small_bytes": 512, "chunk_bytes": 4096, "timeout_s": 60}
+
+
+def _ds_config(stage, gas=1, section=None):
+    cfg = {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": gas,
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}},
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 2000, "allgather_bucket_size": 2000},
+        "zero_force_ds_cpu_optimizer": False,
+        "gradient_clipping": 1.0,
+        "steps_per_print": 1000,
+    }
+    if section is not None:
+        cfg["slipstream"] = section
+    return cfg
+
+
+def _full_weights(engine):
+    params = list(engine.module.parameters())
+    with deepspeed.zero.GatheredParameters(params):
+        return [p.detach().clone() for p in params]
+
+
+def _mlp_batches(rank, n):
+    for step in range(n):
+        g = torch.Generator().manual_seed(1000 * step + rank)
+        yield torch.randn(4, 32, generator=g), torch.randn(4, 32, generator=g)
+
+
+def _train_mlp(stage, section, steps, gas):
+    import slipstream.deepspeed as sds
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 32))
+    init = sds.initialize if section is not None else deepspeed.initialize
+    engine, *_ = init(model=model, model_parameters=model.parameters(), config=_ds_config(stage, gas, section))
+    losses = []
+    for x, y in _mlp_batches(engine.global_rank, steps * gas):
+        loss = (engine(x) - y).pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses, _full_weights(engine)
+
+
+def _parity(rank, world, stage, gas):
+    from slipstream.plugins.deepspeed import installed_backend, uninstall
+
+    stock_losses, stock_w = _train_mlp(stage, None, steps=4, gas=gas)
+    ours_losses, ours_w = _train_mlp(stage, {"enabled": True, "comm": COMM}, steps=4, gas=gas)
+    backend = installed_backend()
+    assert backend is not None and backend._comms, "the slipstream backend was not used"
+    algos = {comm.algorithm(torch.ones(1000))[0] for comm in backend._comms.values()}
+    uninstall()
+    torch.testing.assert_close(torch.tensor(ours_losses), torch.tensor(stock_losses), rtol=1e-5, atol=1e-6)
+    for a, b in zip(ours_w, stock_w):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    return sorted(algos)
+
+
+def _env(*nodes):
+    return [{"LOCAL_RANK": str(i), "SLIPSTREAM_NODE": str(n)} for i, n in enumerate(nodes)]
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_stage_matches_stock_deepspeed_losses_and_weights(stage):
+    algos = run_ranks(_parity, 2, stage, 1, rank_env=_env(0, 0), timeout=400)
+    assert algos[0] == ["shm"]
+
+
+def test_zero2_on_two_emulated_nodes_with_grad_accumulation_matches_stock():
+    algos = run_ranks(_parity, 4, 2, 2, rank_env=_env(0, 0, 1, 1), timeout=500)
+    assert algos[0] == ["hierarchical"]
+
+
+def _llama_batches(rank, n, vocab):
+    g = torch.Generator().manual_seed(7 + rank)
+    for _ in range(n):
+        lengths = torch.randint(1, 24, (4,), generator=g)
+        ids = torch.randint(1, vocab, (4, 24), generator=g)
+        mask = torch.arange(24)[None, :] < lengths[:, None]
+        ids = ids.masked_fill(~mask, 0)
+        labels = ids.masked_fill(~mask, -100)
+        yield ids, mask.long(), labels
+
+
+def _varlen_grad_accum(rank, world):
+    import slipstream.deepspeed as sds
+    from slipstream.core_compile import is_varlen_patched
+    from slipstream.plugins.deepspeed import uninstall
+    from slipstream.recipes.model import build_model
+
+    runs = {}
+    for name, section in [("padded", None), ("varlen", {"comm": COMM, "varlen": {"enabled": True}})]:
+        model = build_model("llama-tiny", vocab_size=128, seed=0)
+        init = sds.initialize if section else deepspeed.initialize
+        engine, *_ = init(model=model, model_parameters=model.parameters(), config=_ds_config(2, 2, section))
+        assert is_varlen_patched(engine.module) == (name == "varlen")
+        losses = []
+        for ids, mask, labels in _llama_batches(rank, 6, 128):
+            loss = engine(input_ids=ids, attention_mask=mask, labels=labels).loss
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        runs[name] = (losses, _full_weights(engine))
+    uninstall()
+    torch.testing.assert_close(torch.tensor(runs["varlen"][0]), torch.tensor(runs["padded"][0]), rtol=1e-5, atol=0)
+    for a, b in zip(runs["varlen"][1], runs["padded"][1]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    return True
+
+
+def test_varlen_section_with_grad_accumulation_equals_the_padded_run():
+    run_ranks(_varlen_grad_accum, 2, rank_env=_env(0, 0), timeout=400)
+
+
+@pytest.mark.parametrize(
+    "section, message",
+    [
+        ({"enabled": True, "comms": {}}, "slipstream: unknown key 'comms'"),
+        ({"comm": {"slot_bytes": 100}}, "slipstream.comm: slot_bytes must be a positive multiple of 64"),
+        ({"comm": {"shm": "yes"}}, "slipstream.comm.shm must be bool"),
+        ({"comm": {"connections": 99}}, "connections must be between 1 and 16"),
+        ({"varlen": {"enabled": True, "backend": "magic"}}, "slipstream.varlen: backend must be"),
+        ({"varlen": {"enabled": True, "tiles": 3}}, "slipstream.varlen: unknown key 'tiles'"),
+        ([1, 2], "slipstream must be an object"),
+    ],
+)
+def test_config_section_errors_name_the_bad_key(section, message):
+    with pytest.raises(ValueError, match=message.replace(".", r"\.").replace("(", r"\(")):
+        SlipstreamConfig.from_dict(section)
+
+
+def test_config_section_defaults_and_absence():
+    assert not SlipstreamConfig.from_dict(None).enabled
+    cfg = SlipstreamConfig.from_dict({"comm": {"chunk_bytes": 1 << 20}, "varlen": {"enabled": True}})
+    assert cfg.enabled and cfg.comm.chunk_bytes == 1 << 20 and cfg.varlen is not None
+    assert SlipstreamConfig.from_dict({"varlen": {"enabled": False, "backend": "sdpa"}}).varlen is None
+
+
+def test_install_uninstall_round_trip_restores_deepspeed_initialize():
+    from slipstream.plugins.deepspeed import install, uninstall
+
+    original = deepspeed.initialize
+    install()
+    hooked = deepspeed.initialize
+    install()  # idempotent
+    assert deepspeed.initialize is hooked and hooked is not original
+    assert hooked.__wrapped__ is original
+    uninstall()
+    assert deepspeed.initialize is original
+    uninstall()  # idempotent
+    assert deepspeed.initialize is original
+
+
+def _checkpoint_interchange(rank, world, tmp):
+    from slipstream.plugins.deepspeed import uninstall
+
+    section = {"enabled": True, "comm": COMM}
+    batches = list(_mlp_batches(rank, 4))
+
+    def engine_for(use_slipstream):
+        import slipstream.deepspeed as sds
+
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 32))
+        init = sds.initialize if use_slipstream else deepspeed.initialize
+        cfg = _ds_config(2, 1, section if use_slipstream else None)
+        return init(model=model, model_parameters=model.parameters(), config=cfg)[0]
+
+    def step(engine, x, y):
+        loss = (engine(x) - y).pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+        return loss.item()
+
+    next_loss = {}
+    for saver, loader in [(True, False), (False, True)]:
+        first = engine_for(saver)
+        for x, y in batches[:3]:
+            step(first, x, y)
+        tag = f"from_{'slipstream' if saver else 'stock'}"
+        first.save_checkpoint(tmp, tag=tag)
+        expected = step(first, *batches[3])
+        second = engine_for(loader)
+        second.load_checkpoint(tmp, tag=tag)
+        next_loss[tag] = (expected, step(second, *batches[3]))
+        uninstall()
+    for expected, got in next_loss.values():
+        assert abs(expected - got) <= 1e-6 * abs(expected)
+    return True
+
+
+def test_checkpoints_interchange_between_slipstream_and_stock(tmp_path):
+    run_ranks(_checkpoint_interchange, 2, str(tmp_path), rank_env=_env(0, 0), timeout=400)

@@ -1,0 +1,36 @@
+"""The fine-tune recipe end to end (short mode) and its input errors."""
+
+import json
+
+import pytest
+
+pytest.importorskip("deepspeed")
+
+from slipstream.cli import main  # noqa: E402
+from slipstream.recipes.data import AlpacaFormatError  # noqa: E402
+
+
+@pytest.mark.slow
+def test_embedded_default_runs_end_to_end_and_matches_stock(tmp_path):
+    out = tmp_path / "run"
+    figures = tmp_path / "figures.json"
+    code = main(["finetune", "--steps", "4", "--samples", "96", "--output-dir", str(out), "--compare",
+                 "--json", str(figures), "--timeout", "600"])
+    assert code == 0
+    stock, ours = json.loads(figures.read_text())
+    assert (stock["impl"], ours["impl"]) == ("stock", "slipstream")
+    for r in (stock, ours):
+        assert r["tokens_per_s"] > 0 and r["step_time_s"] > 0 and len(r["losses"]) == 4
+        assert (out / f"checkpoint-{r['impl']}").is_dir()
+    for a, b in zip(stock["losses"], ours["losses"]):
+        assert abs(a - b) <= 1e-5 * abs(a)
+    assert ours["padding_removed"] > 0.2 and stock["padding_removed"] == 0
+    assert (out / "compare.png").stat().st_size > 0
+
+
+def test_malformed_data_file_names_the_file_and_the_record(tmp_path):
+    bad = tmp_path / "data.json"
+    bad.write_text(json.dumps([{"instruction": "a", "input": "", "output": "b"}, {"instruction": 3}]))
+    with pytest.raises(AlpacaFormatError) as err:
+        main(["finetune", "--data", str(bad), "--output-dir", str(tmp_path / "o")])
+    assert str(bad) in str(err.value) and "1" in str(err.value)
