@@ -68,7 +68,9 @@ def _choices_table(result: dict) -> str:
                     f"{_ms(r['time_s'])} | {r['default']} | {_ms(r['default_time_s'])} | {ratio} | {cands} |")
     b = plan.buckets
     return "\n".join(rows + [
-        "", f"connections per inter-node peer: {plan.connections}; plan {result['source']} "
+        "", f"connections per inter-node peer: {plan.connections}"
+        + (f" (8 MiB allreduce ms by count: {', '.join(f'{k}: {_ms(v)}' for k, v in plan.connection_times_s.items())})"
+           if plan.connection_times_s else "") + f"; plan {result['source']} "
         f"(tuning took {result['tune_s']:.1f} s)",
         f"buckets: DDP {b.ddp_kwargs()}; DeepSpeed (bf16) {b.deepspeed_config()}; FSDP (bf16) {b.fsdp_kwargs()}",
     ])

@@ -170,15 +170,17 @@ class TunedPlan:
     when the plan has no entry for the collective.
     """
 
-    __slots__ = ("key", "entries", "connections", "buckets", "source", "_index")
+    __slots__ = ("key", "entries", "connections", "connection_times_s", "buckets", "source", "_index")
 
     def __init__(self, *, key: TuneKey, entries: list[Entry], connections: int = 1,
+                 connection_times_s: Mapping[str, float] | None = None,
                  buckets: BucketSizes | None = None, source: str = "model") -> None:
         if not 1 <= connections <= 16:
             raise ValueError(f"connections must be between 1 and 16, got {connections}")
         self.key = key
         self.entries = sorted(entries, key=lambda e: (KINDS.index(e.kind), str(e.dtype), e.nbytes))
         self.connections = connections                      # topology-wide: goes into CommConfig
+        self.connection_times_s = dict(connection_times_s or {})  # count -> 8 MiB allreduce, if measured
         self.buckets = buckets if buckets is not None else BucketSizes()
         self.source = source                                # 'measured', 'cached' or 'model'
         self._index: dict = {}                              # (kind, dtype|None) -> (log2 sizes, choices)
@@ -211,6 +213,7 @@ class TunedPlan:
 
     def to_json(self) -> dict:
         return {"format": FORMAT, "key": self.key.to_json(), "connections": self.connections,
+                "connection_times_s": self.connection_times_s,
                 "buckets": asdict(self.buckets),
                 "entries": [{**asdict(e), "choice": asdict(e.choice)} for e in self.entries]}
 
@@ -220,6 +223,7 @@ class TunedPlan:
         key = TuneKey(**{**data["key"], "node_sizes": tuple(data["key"]["node_sizes"])})
         entries = [Entry(**{**e, "choice": Choice(**e["choice"])}) for e in data["entries"]]
         return cls(key=key, entries=entries, connections=int(data["connections"]),
+                   connection_times_s={str(k): float(v) for k, v in data.get("connection_times_s", {}).items()},
                    buckets=BucketSizes(**data["buckets"]), source=source)
 
     def rows(self) -> list[dict]:
@@ -401,8 +405,8 @@ def _candidates(comm: Communicator, kind: str, inp: torch.Tensor,
 class Tuner:
     """Measures a plan for ``comm`` on its real group within ``budget_s`` seconds; collective.
 
-    Connections first (hierarchical groups, when the multi-connection transport exists): an
-    8 MiB allreduce with each count. Then sizes smallest first, every collective at each size.
+    Connections first (hierarchical groups, ``budget_s >= 5``, the multi-connection transport
+    importable): an 8 MiB allreduce with each count. Then sizes smallest first, every collective at each size.
     A step the times so far predict would overrun the budget is skipped, and that
     collective's larger sizes with it: their entries come from the cost model. A step is one
     warm-up call per candidate, then ``reps`` rounds over the candidates in alternating
@@ -457,13 +461,13 @@ class Tuner:
         comm, key = self.comm, TuneKey.of(self.comm)
         dist.barrier(group=comm.group)
         self._start, self._elapsed, self._history = time.perf_counter(), 0.0, {}
-        runner, connections = self._pick_connections(key)
+        runner, connections, k_times = self._pick_connections(key)
         try:
             entries = [e for dtype in self.dtypes for e in self._measure_dtype(runner, key, dtype)]
         finally:
             if runner is not comm:
                 close_communicator(runner)
-        plan = TunedPlan(key=key, entries=entries, connections=connections,
+        plan = TunedPlan(key=key, entries=entries, connections=connections, connection_times_s=k_times,
                          buckets=_buckets(entries, key), source="measured")
         data = _broadcast_from_rank0(plan.to_json() if comm.rank == 0 else None, comm.group)
         log.info("tuned %s in %.1f s (budget %.1f s)", key.filename(), self._elapsed, self.budget_s)
@@ -554,12 +558,13 @@ class Tuner:
         med = flat[:-1].view(len(labels), self.reps).median(dim=1).values
         return {label: med[i].item() for i, label in enumerate(labels)}
 
-    def _pick_connections(self, key: TuneKey) -> tuple[Communicator, int]:
-        """The communicator to measure the table with, and its connections per peer."""
+    def _pick_connections(self, key: TuneKey) -> tuple[Communicator, int, dict[str, float]]:
+        """The communicator to measure the table with, its connections per peer, the times."""
         comm, cfg = self.comm, self.comm.config
         counts = sorted(set(self.connections) | {cfg.connections})
-        if key.paths != "hierarchical" or len(counts) < 2 or not _has_transport():
-            return comm, cfg.connections
+        # 2 x 4 timed 8 MiB allreduces: ~0.7 s per count over 1 Gbit/s (allreduce table above)
+        if key.paths != "hierarchical" or len(counts) < 2 or self.budget_s < 5 or not _has_transport():
+            return comm, cfg.connections, {}
         comms = {k: comm if k == cfg.connections else
                  Communicator(comm.group, config=replace(cfg, connections=k), topology=comm.topology)
                  for k in counts}
@@ -571,7 +576,7 @@ class Tuner:
         for k, c in comms.items():
             if k != best and c is not comm:
                 close_communicator(c)
-        return comms[best], best
+        return comms[best], best, times
 
 
 def close_communicator(comm: Communicator) -> None:

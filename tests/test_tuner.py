@@ -1,0 +1,192 @@
+"""The tuner: plan choice logic, cache keying and validation without a process group; then
+corrupt / stale caches, rank agreement and the budget on gloo ranks."""
+
+import json
+import time
+import warnings
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from _dist import run_ranks
+from slipstream.core_comm import Choice, CommConfig, Communicator
+from slipstream.core_comm.tuner import (
+    SIZE_CLASSES, BucketSizes, Entry, TuneKey, TunedPlan, Tuner, TunerCacheWarning, _read_cache,
+    _write_cache, close_communicator, load_plan, model_plan,
+)
+
+KEY = TuneKey(world_size=4, node_sizes=(2, 2), paths="hierarchical", torch="2.13.0", slipstream="0.1.0")
+SHM_KEY = replace(KEY, node_sizes=(4,), paths="shm")
+HIER = Choice("hierarchical", 4 << 20)
+
+
+def _plan(*entries, key=KEY, **kw):
+    return TunedPlan(key=key, entries=[Entry(kind=k, dtype=d, nbytes=n, choice=c, source="measured")
+                                       for k, d, n, c in entries], **kw)
+
+
+# ---------------------------------------------------------------- pure logic
+
+
+def test_plan_picks_the_nearest_measured_size_in_log_scale():
+    plan = _plan(("all_reduce", "float32", 4096, Choice("stock")), ("all_reduce", "float32", 1 << 20, HIER))
+    f32 = torch.float32
+    assert plan.choose("all_reduce", 4096, f32) == Choice("stock")
+    assert plan.choose("all_reduce", 1, f32) == Choice("stock")
+    assert plan.choose("all_reduce", 60 << 10, f32) == Choice("stock")  # 2^15.9: nearer 2^12 than 2^20
+    assert plan.choose("all_reduce", 70 << 10, f32) == HIER            # 2^16.1: nearer 2^20
+    assert plan.choose("all_reduce", 1 << 30, f32) == HIER
+    assert plan.choose("all_gather", 4096, f32) is None  # no entry: the communicator's own rules
+
+
+def test_plan_uses_the_first_measured_dtype_for_others():
+    plan = _plan(("all_reduce", "float32", 4096, Choice("stock")),
+                 ("all_reduce", "bfloat16", 4096, Choice("hierarchical")))
+    assert plan.choose("all_reduce", 4096, torch.bfloat16) == Choice("hierarchical")
+    assert plan.choose("all_reduce", 4096, torch.float32) == Choice("stock")
+    assert plan.choose("all_reduce", 4096, torch.float64) in (Choice("stock"), Choice("hierarchical"))
+    only = _plan(("all_reduce", "float32", 4096, Choice("stock")))
+    assert only.choose("all_reduce", 4096, torch.float16) == Choice("stock")
+
+
+def test_model_plan_shm_on_one_node_stock_for_tiny_messages_across_nodes():
+    cfg = CommConfig()
+    shm = model_plan(SHM_KEY, cfg)
+    assert all(shm.choose(k, n, torch.float32) == Choice("shm")
+               for k in ("all_reduce", "reduce_scatter", "all_gather") for n in SIZE_CLASSES)
+    hier = model_plan(KEY, cfg)
+    assert hier.source == "model"
+    assert hier.choose("all_reduce", 4096, torch.float32) == Choice("stock")
+    assert hier.choose("all_reduce", 64 << 10, torch.float32) == Choice("stock")
+    assert hier.choose("all_reduce", 1 << 20, torch.float32) == Choice("hierarchical", cfg.chunk_bytes)
+    assert hier.choose("all_reduce", 64 << 20, torch.bfloat16) == Choice("hierarchical", cfg.chunk_bytes)
+    # allgather is sized by one rank's input: 16 KiB x 4 ranks = a 64 KiB buffer
+    assert hier.choose("all_gather", 16 << 10, torch.float32) == Choice("stock")
+    assert hier.choose("all_gather", 1 << 20, torch.float32) == Choice("hierarchical")
+    assert hier.choose("reduce_scatter", 4096, torch.float32) == Choice("hierarchical")
+    none = model_plan(replace(KEY, paths=""), cfg)
+    assert none.choose("all_reduce", 1 << 20, torch.float32) is None
+
+
+def test_cache_key_names_topology_world_size_and_versions():
+    names = {KEY.filename()}
+    for change in (dict(node_sizes=(4,)), dict(node_sizes=(1, 3)), dict(world_size=8, node_sizes=(4, 4)),
+                   dict(torch="2.14.0"), dict(slipstream="0.2.0"), dict(paths="shm"), dict(format=99)):
+        names.add(replace(KEY, **change).filename())
+    assert len(names) == 8
+    assert replace(KEY).filename() == KEY.filename()
+    assert KEY.filename().startswith("w4-n2x2-")
+
+
+def test_plan_json_round_trip_and_connections_apply_only_across_nodes():
+    plan = _plan(("all_reduce", "float32", 4096, Choice("stock")), ("all_gather", None, 1 << 20, Choice("hierarchical")),
+                 connections=4, buckets=BucketSizes(all_reduce_bytes=2 << 20))
+    back = TunedPlan.from_json(json.loads(json.dumps(plan.to_json())))
+    assert back.to_json() == plan.to_json()
+    assert back.choose("all_gather", 1 << 20, torch.float16) == Choice("hierarchical")
+    assert plan.apply(CommConfig()).connections == 4
+    assert _plan(key=SHM_KEY, connections=4).apply(CommConfig()).connections == 1
+    with pytest.raises(ValueError, match="connections"):
+        _plan(connections=0)
+
+
+def test_bucket_sizes_as_ddp_deepspeed_and_fsdp_settings():
+    b = BucketSizes(all_reduce_bytes=8 << 20, reduce_scatter_bytes=4 << 20, all_gather_bytes=2 << 20)
+    assert b.ddp_kwargs() == {"bucket_cap_mb": 8.0}
+    assert b.deepspeed_config() == {"zero_optimization": {
+        "reduce_bucket_size": 2 << 20, "allgather_bucket_size": 1 << 20, "stage3_prefetch_bucket_size": 1 << 20}}
+    assert b.deepspeed_config(element_size=4)["zero_optimization"]["reduce_bucket_size"] == 1 << 20
+    assert b.fsdp_kwargs() == {"min_num_params": 1 << 20}
+    with pytest.raises(ValueError, match="all_gather_bytes"):
+        BucketSizes(all_gather_bytes=0)
+
+
+def test_cache_file_garbage_or_other_key_is_ignored_with_a_warning(tmp_path):
+    path = tmp_path / KEY.filename()
+    assert _read_cache(path, KEY) is None  # absent: silently nothing
+    plan = _plan(("all_reduce", "float32", 4096, Choice("stock")))
+    _write_cache(path, plan)
+    assert _read_cache(path, KEY) == plan.to_json()
+    for garbage, why in (("{not json", "unreadable"), ('{"format": 1}', "unreadable"),
+                         ('{"format": 1, "key": 3, "entries": [], "connections": 1, "buckets": {}}', "unreadable"),
+                         (json.dumps(_plan(key=replace(KEY, torch="1.0")).to_json()), "stale")):
+        path.write_text(garbage)
+        with pytest.warns(TunerCacheWarning, match=why):
+            assert _read_cache(path, KEY) is None
+
+
+# ---------------------------------------------------------------- on gloo ranks
+
+
+def _tune_twice_with_bad_caches(rank, world, dirs):
+    """Rank 0's cache holds garbage, then a stale plan; rank 1's a valid plan of its own."""
+    comm = Communicator(None)
+    key = TuneKey.of(comm)
+    path = f"{dirs[rank]}/{key.filename()}"
+    fake = TunedPlan(key=key, entries=[Entry(kind=k, dtype="float32", nbytes=4096, choice=Choice("stock"),
+                                            source="measured") for k in ("all_reduce", "all_gather")])
+    with open(path, "w") as f:
+        f.write("\x00garbage" if rank == 0 else json.dumps(fake.to_json()))
+    tuner = Tuner(comm, budget_s=2.0, sizes=(4096, 65536), reps=2, cache_dir=dirs[rank])
+    plans, caught = [], []
+    for attempt in range(2):
+        with warnings.catch_warnings(record=True) as got:
+            warnings.simplefilter("always")
+            plans.append(tuner.tune())
+        caught.append([str(w.message) for w in got if issubclass(w.category, TunerCacheWarning)])
+        if rank == 0 and attempt == 0:  # now a plan made for another torch: stale
+            stale = TunedPlan(key=replace(key, torch="0.0"), entries=[])
+            with open(path, "w") as f:
+                f.write(json.dumps(stale.to_json()))
+        dist.barrier()
+    again = tuner.tune()  # rank 0 wrote its measured plan on the second run: now cached
+    close_communicator(comm)
+    return [p.source for p in (*plans, again)], [p.to_json() for p in (*plans, again)], caught
+
+
+def test_corrupt_or_stale_cache_is_remeasured_and_every_rank_gets_rank0s_plan(tmp_path):
+    dirs = [str(tmp_path / f"r{r}") for r in range(2)]
+    for d in dirs:
+        (tmp_path / d).mkdir()
+    out = run_ranks(_tune_twice_with_bad_caches, 2, dirs, timeout=120)
+    (sources0, plans0, caught0), (sources1, plans1, caught1) = out
+    assert sources0 == sources1 == ["measured", "measured", "cached"]
+    assert plans0 == plans1  # rank 1's own (different) cache file is never read
+    assert len(caught0[0]) == 1 and "unreadable" in caught0[0][0]
+    assert len(caught0[1]) == 1 and "stale" in caught0[1][0]
+    assert caught1 == [[], []]
+    assert {e["source"] for e in plans0[0]["entries"]} == {"measured"}
+
+
+def _tune_in_budget(rank, world, cache_dir, budget):
+    comm = Communicator(None, config=CommConfig(timeout_s=60))
+    start = time.perf_counter()
+    plan = Tuner(comm, budget_s=budget, cache_dir=cache_dir).measure()
+    elapsed = time.perf_counter() - start
+    x = torch.full((1000,), float(rank + 1))
+    tuned = Communicator(None, config=plan.apply(comm.config), plan=plan)
+    tuned.all_reduce(x)
+    close_communicator(tuned)
+    close_communicator(comm)
+    return elapsed, plan.to_json(), x.tolist()
+
+
+@pytest.mark.parametrize("node_of", [(0, 0), (0, 0, 1, 1)], ids=["1x2", "2x2"])
+def test_tuning_stops_at_a_tiny_budget_and_the_plan_drives_the_communicator(tmp_path, node_of):
+    budget = 0.3
+    world = len(node_of)
+    out = run_ranks(_tune_in_budget, world, str(tmp_path), budget, timeout=120,
+                    rank_env=[{"SLIPSTREAM_NODE": str(n)} for n in node_of])
+    elapsed = max(e for e, _, _ in out)
+    plans = [p for _, p, _ in out]
+    assert all(p == plans[0] for p in plans)
+    entries = plans[0]["entries"]
+    sources = {(e["kind"], e["nbytes"]): e["source"] for e in entries}
+    assert "model" in sources.values()  # 64 MiB never fits in 0.3 s
+    assert all(s == "model" for (k, n), s in sources.items() if n >= 16 << 20)
+    # one step may overrun what the times so far predicted; set-up (connections) comes on top
+    assert elapsed < budget + 5.0, elapsed
+    expected = [float(sum(range(1, world + 1)))] * 1000
+    assert all(x == expected for _, _, x in out)
