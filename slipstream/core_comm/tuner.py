@@ -355,13 +355,14 @@ class _Fixed:
 
 
 def _buffers(kind: str, nbytes: int, dtype: torch.dtype, world: int):
-    """``(output, input)`` of zeros (sums stay finite) for a full buffer of ``nbytes``:
-    allreduce's tensor, reduce-scatter's input, allgather's output (as ``bench comm``)."""
+    """``(output, input)``, uninitialised, for a full buffer of ``nbytes``: allreduce's tensor,
+    reduce-scatter's input, allgather's output (as ``bench comm``). Zero them before timing:
+    sums of zeros stay finite."""
     numel = max(world, nbytes // torch.empty(0, dtype=dtype).element_size() // world * world)
     if kind == "all_reduce":
-        inp = torch.zeros(numel, dtype=dtype)
+        inp = torch.empty(numel, dtype=dtype)
         return inp, inp
-    small, full = torch.zeros(numel // world, dtype=dtype), torch.zeros(numel, dtype=dtype)
+    small, full = torch.empty(numel // world, dtype=dtype), torch.empty(numel, dtype=dtype)
     return (small, full) if kind == "reduce_scatter" else (full, small)
 
 
@@ -492,6 +493,7 @@ class Tuner:
                     entries.append(Entry(kind=kind, dtype=name, nbytes=size, choice=choice,
                                          source="model", default=_label(default)))
                     continue
+                out.zero_(), inp.zero_()
                 times = self._round(comm, kind, out, inp, runs, default)
                 choice = self._decide(comm, kind, out, inp, runs, default, times)
                 for label, t in times.items():
@@ -514,19 +516,24 @@ class Tuner:
         return runs[best] if again[best] <= (1 - self.margin) * again[dlabel] else default
 
     def _pruned(self, kind, dtype, others, nbytes) -> list[Choice]:
-        """Drop candidates 1.5x slower than the best at the largest size measured so far:
-        the gaps between algorithms widen with size rather than close."""
-        last = {label: h[-1][1] for (k, d, label), h in self._history.items() if k == kind and d == dtype}
-        if not last:
+        """Drop candidates 1.5x slower than the best at the largest size measured so far, or
+        not measured there (dropped before): the gaps between algorithms widen with size.
+        Candidates never measured (a chunk count new at this size) stay."""
+        mine = {label: h for (k, d, label), h in self._history.items() if k == kind and d == dtype}
+        if not mine:
             return others
+        top = max(h[-1][0] for h in mine.values())
+        last = {label: h[-1][1] for label, h in mine.items() if h[-1][0] == top}
         best = min(last.values())
-        return [c for c in others if last.get(_label(c), 0.0) <= 1.5 * best]
+        return [c for c in others if _label(c) not in mine or last.get(_label(c), math.inf) <= 1.5 * best]
 
     def _predict(self, kind, dtype, label, nbytes) -> float:
-        """Seconds per call: a line through the last two sizes measured (latency + bytes / bandwidth)."""
+        """Seconds per call: a line through the last two sizes measured (latency + bytes /
+        bandwidth); a candidate never measured costs what the slowest measured one does."""
         h = self._history.get((kind, dtype, label), [])
         if not h:
-            return 1e-3
+            known = [self._predict(kind, dtype, lb, nbytes) for (k, d, lb) in self._history if k == kind and d == dtype]
+            return max(known, default=1e-3)
         if len(h) == 1:
             return h[-1][1] * max(1.0, nbytes / h[-1][0])
         (n1, t1), (n2, t2) = h[-2:]
@@ -569,6 +576,7 @@ class Tuner:
                  Communicator(comm.group, config=replace(cfg, connections=k), topology=comm.topology)
                  for k in counts}
         out, inp = _buffers("all_reduce", 8 << 20, torch.float32, comm.world)
+        inp.zero_()
         times = self._timed({str(k): (c, _Fixed(None), "all_reduce", out, inp) for k, c in comms.items()})
         best = int(min(times, key=times.get))
         if times[str(best)] > (1 - self.margin) * times[str(cfg.connections)]:
