@@ -177,7 +177,8 @@ def _table(records: list[dict]) -> str:
     return "\n".join(rows)
 
 
-def _report(records: list[dict], machine: dict, command: str, spec: ClusterSpec, mem_bw: float) -> str:
+def _report(records: list[dict], machine: dict, command: str, spec: ClusterSpec, mem_bw: float,
+            load: tuple[float, ...]) -> str:
     m = machine
     where = (f"{spec.nodes} emulated nodes x {spec.ranks_per_node} ranks, link {spec.link} each way"
              if spec.nodes > 1 else f"1 node x {spec.ranks_per_node} ranks (loopback, no emulation)")
@@ -187,6 +188,8 @@ def _report(records: list[dict], machine: dict, command: str, spec: ClusterSpec,
         f"machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB; kernel {m['kernel']}, "
         f"Python {m['python']}, torch {m['torch']}",
         f"command: {command}",
+        f"load average (1 min) at start / end: {load[0]:.1f} / {os.getloadavg()[0]:.1f} "
+        f"(other work on the machine slows both implementations)",
         f"layout: {where}; dtype {records[0]['dtype']}; time = median of the slowest rank; "
         f"vs stock = stock time / slipstream time; bound = {bound}",
         "",
@@ -197,7 +200,7 @@ def _report(records: list[dict], machine: dict, command: str, spec: ClusterSpec,
 
 def run(args: argparse.Namespace) -> int:
     spec, sizes, ops, impls = _validate(args)
-    machine, command = _machine(), _command(args)
+    machine, command, load = _machine(), _command(args), os.getloadavg()
     mem_bw = memory_bandwidth()
     sys.stdout.write(f"{command}\nmemory copy bandwidth {mem_bw / 1e9:.1f} GB/s\n")
     sys.stdout.flush()
@@ -210,7 +213,7 @@ def run(args: argparse.Namespace) -> int:
         with open(out) as f:
             raw = json.load(f)
     records = _records(raw, spec, mem_bw, args)
-    report = _report(records, machine, command, spec, mem_bw)
+    report = _report(records, machine, command, spec, mem_bw, load)
     sys.stdout.write(report)
     if args.json:
         with open(args.json, "w") as f:
