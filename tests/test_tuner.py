@@ -35,8 +35,9 @@ def test_plan_picks_the_nearest_measured_size_in_log_scale():
     f32 = torch.float32
     assert plan.choose("all_reduce", 4096, f32) == Choice("stock")
     assert plan.choose("all_reduce", 1, f32) == Choice("stock")
-    assert plan.choose("all_reduce", 60 << 10, f32) == Choice("stock")  # 2^15.9: nearer 2^12 than 2^20
-    assert plan.choose("all_reduce", 70 << 10, f32) == HIER            # 2^16.1: nearer 2^20
+    assert plan.choose("all_reduce", 60 << 10, f32) == Choice("stock")  # 2^15: nearer 2^12 than 2^20
+    assert plan.choose("all_reduce", 64 << 10, f32) == Choice("stock")  # 2^16: a tie takes the smaller
+    assert plan.choose("all_reduce", 200 << 10, f32) == HIER            # 2^17: nearer 2^20
     assert plan.choose("all_reduce", 1 << 30, f32) == HIER
     assert plan.choose("all_gather", 4096, f32) is None  # no entry: the communicator's own rules
 

@@ -2,7 +2,8 @@
 
 Tunes (or loads the cache), then with ``--compare`` times the communicator's fixed default
 against the tuned plan on each size, alternating which goes first, each call timed from a
-barrier, the slowest rank's time kept. Rank 0 writes the plan and the times as JSON to ``--out``.
+barrier, the slowest rank's time kept; at least ``--iters`` calls each, more for small sizes
+(about 2 s per side). Rank 0 writes the plan and the times as JSON to ``--out``.
 """
 
 from __future__ import annotations
@@ -19,6 +20,14 @@ from slipstream.core_comm import Communicator
 from slipstream.core_comm.tuner import KINDS, Tuner, _buffers, _call, close_communicator
 
 
+def _once(comm: Communicator, plan, kind: str, out: torch.Tensor, inp: torch.Tensor) -> float:
+    comm.plan = plan
+    dist.barrier()
+    t0 = time.perf_counter()
+    _call(comm, kind, out, inp)
+    return time.perf_counter() - t0
+
+
 def _compare(default: Communicator, tuned: Communicator, plan, sizes: list[int], iters: int) -> list[dict]:
     """``default`` runs with no plan, ``tuned`` (which may be ``default``) with ``plan``."""
     records = []
@@ -26,15 +35,15 @@ def _compare(default: Communicator, tuned: Communicator, plan, sizes: list[int],
     for kind in KINDS:
         for nbytes in sizes:
             out, inp = _buffers(kind, nbytes, torch.float32, default.world)
+            out.zero_(), inp.zero_()
             times = {name: [] for name in runs}
-            for i in range(-1, iters):  # -1: warm-up
+            warm = torch.tensor([_once(*runs[name], kind, out, inp) for name in runs], dtype=torch.float64)
+            dist.all_reduce(warm, op=dist.ReduceOp.MAX)
+            # Small sizes are noisy (4 ranks share 2 cores): about 2 s of calls per side.
+            n = max(iters, min(2000, int(2.0 / warm.max().item())))
+            for i in range(n):
                 for name in (("default", "tuned") if i % 2 == 0 else ("tuned", "default")):
-                    comm, comm.plan = runs[name][0], runs[name][1]
-                    dist.barrier()
-                    t0 = time.perf_counter()
-                    _call(comm, kind, out, inp)
-                    if i >= 0:
-                        times[name].append(time.perf_counter() - t0)
+                    times[name].append(_once(*runs[name], kind, out, inp))
             slowest = torch.tensor([times["default"], times["tuned"]], dtype=torch.float64)
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
             full = out if kind == "all_gather" else inp

@@ -22,7 +22,6 @@ import math
 import os
 import time
 import warnings
-from bisect import bisect_left
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Mapping
@@ -165,9 +164,9 @@ class Entry:
 class TunedPlan:
     """Choices per (collective, dtype, size); a ``Plan`` for ``Communicator``.
 
-    ``choose`` takes the entry of the nearest size (in log scale) of the call's dtype, or of
-    the first dtype measured when the call's was not; None (the communicator's own rules)
-    when the plan has no entry for the collective.
+    ``choose`` takes the entry nearest in log scale to the call's size rounded down to a power
+    of two, of the call's dtype, or of the first dtype measured when the call's was not; None
+    (the communicator's own rules) when the plan has no entry for the collective.
     """
 
     __slots__ = ("key", "entries", "connections", "connection_times_s", "buckets", "source", "_index")
@@ -183,27 +182,24 @@ class TunedPlan:
         self.connection_times_s = dict(connection_times_s or {})  # count -> 8 MiB allreduce, if measured
         self.buckets = buckets if buckets is not None else BucketSizes()
         self.source = source                                # 'measured', 'cached' or 'model'
-        self._index: dict = {}                              # (kind, dtype|None) -> (log2 sizes, choices)
+        # kind -> dtype (None: the first measured) -> choice by ``nbytes.bit_length()``: the
+        # communicator asks on every call, so a lookup is two dict hits and an index.
+        self._index: dict[str, dict] = {}
+        points: dict = {}
         for e in self.entries:
             dtype = getattr(torch, e.dtype) if e.dtype else None
-            sizes, choices = self._index.setdefault((e.kind, dtype), ([], []))
-            sizes.append(math.log2(e.nbytes))
-            choices.append(e.choice)
-        for kind in KINDS:  # dtypes not measured use the first one measured
-            first = next((v for (k, _), v in self._index.items() if k == kind), None)
-            if first is not None:
-                self._index.setdefault((kind, None), first)
+            points.setdefault(e.kind, {}).setdefault(dtype, []).append((math.log2(e.nbytes), e.choice))
+        for kind, by_dtype in points.items():
+            tables = {dtype: _by_bit_length(p) for dtype, p in by_dtype.items()}
+            tables.setdefault(None, next(iter(tables.values())))  # dtypes not measured
+            self._index[kind] = tables
 
     def choose(self, kind: str, nbytes: int, dtype: torch.dtype) -> Choice | None:
-        found = self._index.get((kind, dtype)) or self._index.get((kind, None))
-        if found is None:
+        tables = self._index.get(kind)
+        if tables is None:
             return None
-        sizes, choices = found
-        x = math.log2(max(nbytes, 1))
-        i = bisect_left(sizes, x)
-        if i == len(sizes) or (i > 0 and x - sizes[i - 1] <= sizes[i] - x):
-            i -= 1
-        return choices[i]
+        table = tables.get(dtype) or tables[None]
+        return table[min(nbytes.bit_length(), 64)]
 
     def apply(self, config: CommConfig) -> CommConfig:
         """``config`` with the plan's topology-wide settings (the connections it measured)."""
@@ -235,6 +231,13 @@ class TunedPlan:
                             chunk_bytes=e.choice.chunk_bytes, source=e.source, default=e.default,
                             time_s=chosen, default_time_s=e.times_s.get(e.default), times_s=dict(e.times_s)))
         return out
+
+
+def _by_bit_length(points: list[tuple[float, Choice]]) -> tuple[Choice, ...]:
+    """For each bit length b (sizes 2^(b-1) .. 2^b - 1), the choice measured nearest to
+    2^(b-1) in log scale (ties: the smaller size)."""
+    points = sorted(points, key=lambda p: p[0])
+    return tuple(min(points, key=lambda p: (abs(p[0] - max(b - 1, 0)), p[0]))[1] for b in range(65))
 
 
 def _label(choice: Choice) -> str:
