@@ -39,8 +39,9 @@ log = logging.getLogger("slipstream.tuner")
 
 KINDS = ("all_reduce", "reduce_scatter", "all_gather")
 SIZE_CLASSES = tuple(4096 << 2 * i for i in range(8))
-"""4 KiB .. 64 MiB in powers of 4: the buffer the communicator sizes its choice by (allreduce's
-tensor, reduce-scatter's input, allgather's *input*, i.e. one rank's share)."""
+"""4 KiB .. 64 MiB in powers of 4: full buffers measured (allreduce's tensor, reduce-scatter's
+input, allgather's output, as ``bench comm``). Entries are keyed by the bytes the communicator
+passes to ``choose``: the same, except allgather's, which is one rank's input."""
 CHUNK_CANDIDATES = (1 << 20, 4 << 20, 16 << 20)
 CONNECTION_CANDIDATES = (1, 4)
 FORMAT = 1  # bump when the cache layout or the meaning of an entry changes
@@ -410,14 +411,14 @@ class Tuner:
     """Measures a plan for ``comm`` on its real group within ``budget_s`` seconds; collective.
 
     Connections first (hierarchical groups, ``budget_s >= 5``, the multi-connection transport
-    importable): an 8 MiB allreduce with each count. Then sizes smallest first, every collective at each size.
-    A step the times so far predict would overrun the budget is skipped, and that
-    collective's larger sizes with it: their entries come from the cost model. A step is one
-    warm-up call per candidate, then ``reps`` rounds over the candidates in alternating
-    order, each call timed from a barrier; the slowest rank's median counts. A candidate must
-    beat the communicator's default by ``margin`` in that step and again in a second round
-    against the default alone; otherwise the default stays (other users load these cores too,
-    and one lucky round must not make a choice slower than the default).
+    importable): an 8 MiB allreduce with each count. Then sizes smallest first, every
+    collective at each size. A step that the times so far predict would overrun the budget
+    is skipped, and that collective's larger sizes with it: their entries come from the cost
+    model. A step is one warm-up call per candidate, then ``reps`` rounds over the candidates
+    in alternating order, each call timed from a barrier; the slowest rank's median counts.
+    A candidate must beat the communicator's default by ``margin`` in that step and again in
+    a second round against the default alone, else the default stays: other jobs load these
+    cores too, and one lucky round must not make a choice slower than the default.
     """
 
     __slots__ = ("comm", "budget_s", "dtypes", "sizes", "kinds", "chunks", "connections",
@@ -608,7 +609,9 @@ def _has_transport() -> bool:
 
 
 def _buckets(entries: list[Entry], key: TuneKey) -> BucketSizes:
-    """Per collective, the smallest full buffer within 80% of the best measured bandwidth."""
+    """Per collective, the smallest full buffer within 80% of the best measured bandwidth, and
+    at least 1 MiB: smaller buckets multiply per-bucket costs (hooks, flattening) that these
+    timings of bare collectives do not see."""
     model = _MODEL_BUCKETS.get(key.paths, BucketSizes())
     sizes = {}
     for kind in KINDS:
