@@ -205,3 +205,14 @@ def _checkpoint_interchange(rank, world, tmp):
 
 def test_checkpoints_interchange_between_slipstream_and_stock(tmp_path):
     run_ranks(_checkpoint_interchange, 2, str(tmp_path), rank_env=_env(0, 0), timeout=400)
+
+
+def test_tuned_bucket_sizes_fill_only_what_the_user_left_unset():
+    from slipstream.plugins.deepspeed.engine import bucket_defaults
+
+    user = {"zero_optimization": {"stage": 2, "reduce_bucket_size": 123}, "train_batch_size": 8}
+    rec = {"reduce_bucket_size": 999, "allgather_bucket_size": 456}
+    out = bucket_defaults(user, rec)
+    assert out["zero_optimization"] == {"stage": 2, "reduce_bucket_size": 123, "allgather_bucket_size": 456}
+    assert user["zero_optimization"] == {"stage": 2, "reduce_bucket_size": 123}  # not mutated
+    assert bucket_defaults(out, rec) is out  # nothing left to fill

@@ -68,7 +68,7 @@ def _initialize(original, args, kwargs):
         return original(*bound.args, **bound.kwargs)
     _init_distributed(params)
     backend = install_comm(settings.comm)
-    ds_config = bucket_defaults(ds_config, _recommended_buckets(backend))
+    ds_config = bucket_defaults(ds_config, _recommended_buckets(backend, ds_config))
     if settings.varlen is not None:
         from ...core_compile import apply_varlen
 
@@ -97,14 +97,12 @@ def _init_distributed(params) -> None:
     )
 
 
-def _recommended_buckets(backend) -> dict:
-    """ZeRO bucket sizes recommended for this topology (the tuner's, when it has any)."""
-    try:
-        from ...core_comm.tuner import recommend_buckets
-    except ImportError:
-        return {}
-    comm = backend.communicator(None)
-    return recommend_buckets(comm).as_deepspeed()
+def _recommended_buckets(backend, ds_config: dict) -> dict:
+    """ZeRO bucket sizes the tuner recommends for the world group's topology, in elements of
+    the training dtype (2 bytes under bf16/fp16, else 4)."""
+    half = any(ds_config.get(k, {}).get("enabled", False) for k in ("bf16", "fp16"))
+    plan = backend.communicator(None).plan
+    return plan.buckets.deepspeed_config(element_size=2 if half else 4)["zero_optimization"]
 
 
 def install() -> None:
