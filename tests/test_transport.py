@@ -7,7 +7,8 @@ import torch
 import torch.distributed as dist
 
 from _dist import run_ranks
-from slipstream.core_comm import CommConfig, Communicator
+from slipstream.core_comm import CommConfig, Communicator, transport
+from slipstream.core_comm._compat import all_gather_into_tensor, reduce_scatter_tensor
 from slipstream.core_comm.transport import MultiConnInter, TransportError, _split, endpoint_from_env
 
 R = dist.ReduceOp
@@ -30,17 +31,18 @@ def _check_ops(t, rank, world, seed, dtype, n, op):
     assert torch.equal(x, ref), ("all_reduce", dtype, n, op)
     full = _data(rank, seed + 1, n * world, dtype)
     rs, rs_ref = torch.empty(n, dtype=dtype), torch.empty(n, dtype=dtype)
-    dist.reduce_scatter_tensor(rs_ref, full.clone(), op=op)
+    reduce_scatter_tensor(rs_ref, full.clone(), op=op)
     t.reduce_scatter(rs, full, op)
     assert torch.equal(rs, rs_ref), ("reduce_scatter", dtype, n, op)
     ag, ag_ref = torch.empty(n * world, dtype=dtype), torch.empty(n * world, dtype=dtype)
-    dist.all_gather_into_tensor(ag_ref, x)
+    all_gather_into_tensor(ag_ref, x)
     t.all_gather(ag, x)
     assert torch.equal(ag, ag_ref), ("all_gather", dtype, n)
 
 
 def _matches_gloo(rank, world):
     seed = 0
+    transport._MIN_PIECE = 4  # split even the small sizes across lanes (some pieces empty)
     for k in (1, 4):
         with MultiConnInter(dist.group.WORLD, connections=k, timeout_s=60) as t:
             for dtype in DTYPES:
@@ -79,11 +81,11 @@ def _through_communicator(rank, world):
         torch.testing.assert_close(x, ref, rtol=0, atol=0)
         full = _data(rank, seed + 50, n * world, torch.float32)
         rs, rs_ref = torch.empty(n), torch.empty(n)
-        dist.reduce_scatter_tensor(rs_ref, full.clone(), op=op)
+        reduce_scatter_tensor(rs_ref, full.clone(), op=op)
         comm.reduce_scatter(rs, full, op)
         torch.testing.assert_close(rs, rs_ref, rtol=0, atol=0)
         ag, ag_ref = torch.empty(n * world), torch.empty(n * world)
-        dist.all_gather_into_tensor(ag_ref, x)
+        all_gather_into_tensor(ag_ref, x)
         comm.all_gather(ag, x)
         assert torch.equal(ag, ag_ref)
     x = _data(rank, 99, 1 << 17, torch.float32)

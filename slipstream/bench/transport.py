@@ -98,7 +98,7 @@ def _table(records: list[dict]) -> str:
     for r in records:
         name = "gloo (uncapped ports)" if r["impl"] == "gloo" else f"MultiConnInter {r['impl']}"
         ratio = f"{base / r['time_s']:.2f}x" if base else ""
-        rows.append(f"| {name} | {r['time_s'] * 1e3:.0f} | {r['link_gbitps']:.3f} | {r['bound_s'] * 1e3:.0f} | "
+        rows.append(f"| {name} | {r['time_s'] * 1e3:.4g} | {r['link_gbitps']:.3f} | {r['bound_s'] * 1e3:.4g} | "
                     f"{r['bound_s'] / r['time_s']:.0%} | {ratio} |")
     return "\n".join(rows)
 
