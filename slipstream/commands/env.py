@@ -56,6 +56,23 @@ def _size(n: int) -> str:
     return f"{n} B"
 
 
+def _choice_ranges(choices: list[dict], world: int) -> list[tuple[str, str]]:
+    """Per collective, runs of sizes (full buffers) with the same choice: '4 KiB-64 KiB stock; ...'."""
+    out: dict[str, list] = {}
+    for c in choices:
+        if c["dtype"] not in ("any", "float32"):
+            continue
+        full = c["nbytes"] * (world if c["kind"] == "all_gather" else 1)
+        name = c["algorithm"] + (f"/{_size(c['chunk_bytes'])}" if c["chunk_bytes"] else "")
+        runs = out.setdefault(c["kind"], [])
+        if runs and runs[-1][2] == name:
+            runs[-1][1] = full
+        else:
+            runs.append([full, full, name])
+    return [(kind, "; ".join(f"{_size(lo)}-{_size(hi)} {name}" if lo != hi else f"{_size(lo)} {name}"
+                             for lo, hi, name in runs)) for kind, runs in out.items()]
+
+
 def _text(r: dict) -> str:
     t, fp, tuned = r["topology"], r["fast_paths"], r["tuned"]
     lines = [f"world size {r['world_size']}, backend {r['backend']}; {t['num_nodes']} node(s) of "
@@ -66,10 +83,13 @@ def _text(r: dict) -> str:
     lines.append("routes (float32, SUM; built-in rules -> with the tuned plan):")
     for x in r["routes"]:
         why = f" ({x['reason']})" if x["reason"] else ""
-        lines.append(f"  {x['kind']:<15} {_size(x['size_bytes']):>8}: {x['algorithm']}{why} -> {x['tuned_algorithm']}"
-                     + (f" ({x['tuned_reason']})" if x["tuned_reason"] else ""))
+        chunk = f"/{_size(x['tuned_chunk_bytes'])}" if x["tuned_chunk_bytes"] else ""
+        lines.append(f"  {x['kind']:<15} {_size(x['size_bytes']):>8}: {x['algorithm']}{why} -> "
+                     f"{x['tuned_algorithm']}{chunk}" + (f" ({x['tuned_reason']})" if x["tuned_reason"] else ""))
     b = tuned["buckets"]
-    lines += [f"tuned plan: {tuned['source']} ({tuned['cache_file']}), connections {tuned['connections']}",
+    lines += [f"tuned plan: {tuned['source']} ({tuned['cache_file']}), connections {tuned['connections']}"]
+    lines += [f"  {kind:<15} {ranges}" for kind, ranges in _choice_ranges(tuned["choices"], r["world_size"])]
+    lines += [
               f"  buckets: DDP {b['ddp']}, DeepSpeed {b['deepspeed']}, FSDP {b['fsdp']}",
               "versions: " + ", ".join(f"{k} {v or '-'}" for k, v in r["versions"].items())]
     return "\n".join(lines) + "\n"

@@ -254,8 +254,9 @@ def _label(choice: Choice) -> str:
 def model_plan(key: TuneKey, config: CommConfig) -> TunedPlan:
     """The built-in choices where nothing was measured. See the thresholds' comments."""
     entries = [Entry(kind=kind, dtype=None, nbytes=n, choice=choice, source="model")
-               for kind in KINDS for n in SIZE_CLASSES
-               if (choice := _model_choice(key, config, kind, n)) is not None]
+               for kind in KINDS for full in SIZE_CLASSES
+               if (n := max(1, full // key.world_size) if kind == "all_gather" else full)
+               and (choice := _model_choice(key, config, kind, n)) is not None]
     return TunedPlan(key=key, entries=entries, connections=config.connections,
                      buckets=_MODEL_BUCKETS.get(key.paths, BucketSizes()), source="model")
 
