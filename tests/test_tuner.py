@@ -191,3 +191,23 @@ def test_tuning_stops_at_a_tiny_budget_and_the_plan_drives_the_communicator(tmp_
     assert elapsed < budget + 5.0, elapsed
     expected = [float(sum(range(1, world + 1)))] * 1000
     assert all(x == expected for _, _, x in out)
+
+
+def _tune_on_pairs(rank, world, cache_dir):
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    group = pairs[rank // 2]
+    comm = Communicator(group, config=CommConfig(timeout_s=60))
+    first = Tuner(comm, budget_s=1.0, sizes=(4096, 65536), reps=2, cache_dir=cache_dir).tune()
+    dist.barrier()  # both pairs wrote the one file their key names
+    again = load_plan(comm, cache_dir=cache_dir)
+    close_communicator(comm)
+    return first.to_json(), again.source, again.to_json()
+
+
+def test_tuning_on_subgroups_broadcasts_from_each_groups_first_rank(tmp_path):
+    out = run_ranks(_tune_on_pairs, 4, str(tmp_path), timeout=120)
+    assert out[0][0] == out[1][0] and out[2][0] == out[3][0]  # each pair agrees on its measurement
+    assert all(source == "cached" for _, source, _ in out)
+    # Both pairs have the same key, hence one file (the last writer's): every rank loads it.
+    assert all(loaded == out[0][2] for _, _, loaded in out)
+    assert out[0][2] in (out[0][0], out[2][0])
