@@ -203,10 +203,16 @@ class _Lanes:
             call, steps = task
             try:
                 for i, (send, recv, post) in enumerate(steps):
-                    done = threading.Event()
+                    if self.error is not None:
+                        raise self.error
+                    view, sock, done = _bytes(send), self.send_socks[c], threading.Event()
+                    # The header goes out before this step's receive may start: a receiver that
+                    # finds a mismatch and shuts the sockets has sent the peer its header first.
+                    sock.sendall(_HEADER.pack(_MAGIC, call.kind, call.dtype, i, call.seq, call.numel, view.nbytes))
                     job = [call, i, recv, done, None]
                     self._recvs[c].put(job)
-                    self._send(c, call, i, send)
+                    for lo in range(0, view.nbytes, _SEND_SLICE):
+                        sock.sendall(view[lo:lo + _SEND_SLICE])
                     done.wait()
                     if job[4] is not None:
                         raise job[4]
@@ -217,15 +223,6 @@ class _Lanes:
                 call.lane_done(self.error)
             else:
                 call.lane_done(None)
-
-    def _send(self, c: int, call: _Call, step: int, piece: torch.Tensor) -> None:
-        if self.error is not None:
-            raise self.error
-        view = _bytes(piece)
-        sock = self.send_socks[c]
-        sock.sendall(_HEADER.pack(_MAGIC, call.kind, call.dtype, step, call.seq, call.numel, view.nbytes))
-        for lo in range(0, view.nbytes, _SEND_SLICE):
-            sock.sendall(view[lo:lo + _SEND_SLICE])
 
     def _receiver(self, c: int) -> None:
         header = bytearray(_HEADER.size)
