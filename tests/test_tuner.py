@@ -187,8 +187,9 @@ def test_tuning_stops_at_a_tiny_budget_and_the_plan_drives_the_communicator(tmp_
     sources = {(e["kind"], e["nbytes"]): e["source"] for e in entries}
     assert "model" in sources.values()  # 64 MiB never fits in 0.3 s
     assert all(s == "model" for (k, n), s in sources.items() if n >= 16 << 20)
-    # one step may overrun what the times so far predicted; set-up (connections) comes on top
-    assert elapsed < budget + 5.0, elapsed
+    # measuring stops at the budget (0.31 s measured here); slack for one step that takes
+    # longer than the times so far predicted, on cores other jobs load too
+    assert elapsed < budget + 2.0, elapsed
     expected = [float(sum(range(1, world + 1)))] * 1000
     assert all(x == expected for _, _, x in out)
 
