@@ -155,8 +155,8 @@ class _Lanes:
         self._recvs = [queue.SimpleQueue() for _ in send_socks]
         self._threads = []
         for c in range(len(send_socks)):
-            for target in (self._lane, self._receiver):
-                t = threading.Thread(target=target, args=(c,), name=f"slipstream-tcp-{c}", daemon=True)
+            for name, target in (("lane", self._lane), ("recv", self._receiver)):
+                t = threading.Thread(target=target, args=(c,), name=f"slipstream-{name}-{c}", daemon=True)
                 t.start()
                 self._threads.append(t)
 
