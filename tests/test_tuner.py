@@ -71,14 +71,21 @@ def test_model_plan_shm_on_one_node_stock_for_tiny_messages_across_nodes():
     assert none.choose("all_reduce", 1 << 20, torch.float32) is None
 
 
-def test_cache_key_names_topology_world_size_and_versions():
+def test_cache_file_is_named_by_topology_and_holds_the_versions(tmp_path):
     names = {KEY.filename()}
     for change in (dict(node_sizes=(4,)), dict(node_sizes=(1, 3)), dict(world_size=8, node_sizes=(4, 4)),
-                   dict(torch="2.14.0"), dict(slipstream="0.2.0"), dict(paths="shm"), dict(format=99)):
+                   dict(paths="shm")):
         names.add(replace(KEY, **change).filename())
-    assert len(names) == 8
-    assert replace(KEY).filename() == KEY.filename()
-    assert KEY.filename().startswith("w4-n2x2-")
+    assert len(names) == 5
+    assert KEY.filename() == "w4-n2x2-hierarchical.json"
+    path = tmp_path / KEY.filename()
+    _write_cache(path, _plan(key=KEY))
+    for change in (dict(torch="2.14.0"), dict(slipstream="0.2.0"), dict(format=99)):
+        newer = replace(KEY, **change)
+        assert newer.filename() == KEY.filename()  # an upgrade finds the old plan: stale, re-measured
+        with pytest.warns(TunerCacheWarning, match="stale"):
+            assert _read_cache(path, newer) is None
+    assert _read_cache(path, KEY) is not None
 
 
 def test_plan_json_round_trip_and_connections_apply_only_across_nodes():

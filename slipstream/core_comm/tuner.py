@@ -15,7 +15,6 @@ faster by ``margin`` twice, in two separate rounds (see ``Tuner``).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
@@ -65,7 +64,7 @@ def default_cache_dir(environ: Mapping[str, str] = os.environ) -> Path:
 
 @dataclass(frozen=True, kw_only=True)
 class TuneKey:
-    """What a measured plan is valid for; a cache entry is used only for an equal key."""
+    """What a measured plan is valid for; a cached plan is used only under an equal key."""
 
     world_size: int
     node_sizes: tuple[int, ...]
@@ -88,8 +87,9 @@ class TuneKey:
         return {**asdict(self), "node_sizes": list(self.node_sizes)}
 
     def filename(self) -> str:
-        digest = hashlib.sha256(json.dumps(self.to_json(), sort_keys=True).encode()).hexdigest()[:16]
-        return f"w{self.world_size}-n{'x'.join(map(str, self.node_sizes))}-{digest}.json"
+        """Named by the topology only: after an upgrade the old plan is found, reported stale
+        (versions are checked inside) and replaced, instead of piling up."""
+        return f"w{self.world_size}-n{'x'.join(map(str, self.node_sizes))}-{self.paths or 'stock'}.json"
 
 
 # ---------------------------------------------------------------------------- buckets
