@@ -55,9 +55,10 @@ _HELLO = struct.Struct("<4s16sII")  # magic, set-up token, group rank, lane
 # The socket timeout bounds each sendall; slicing makes it bound a stall, not a whole message.
 _SEND_SLICE = 4 << 20
 _SIOCGIFADDR = 0x8915
-# Lanes per step: at most one per 64 KiB. Handing a piece to a lane thread costs more than
-# a small piece gains: K=4 took 0.65x the speed of K=1 for a 64 KiB allreduce and 2.8x at
-# 256 KiB (2 emulated nodes, 1gbit link, 250mbit per connection; slipstream bench transport).
+# Lanes per step: at most one per 64 KiB. Handing a piece to a lane thread costs more than a
+# small piece gains: splitting over all 4 lanes ran a 16 KiB allreduce at 0.38x the speed of
+# K=1 and a 64 KiB one at 0.86x, a 256 KiB one at 3.2x (2 emulated nodes, 1gbit link,
+# 250mbit per connection; benchmarks/results/transport_xeon-2core-kvm_2026-11-21.md).
 _MIN_PIECE = 64 << 10
 
 
