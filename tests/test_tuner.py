@@ -219,3 +219,25 @@ def test_tuning_on_subgroups_broadcasts_from_each_groups_first_rank(tmp_path):
     # Both pairs have the same key, hence one file (the last writer's): every rank loads it.
     assert all(loaded == out[0][2] for _, _, loaded in out)
     assert out[0][2] in (out[0][0], out[2][0])
+
+
+def _tune_connections(rank, world, cache_dir):
+    comm = Communicator(None, config=CommConfig(timeout_s=60, connections=4))
+    plan = Tuner(comm, budget_s=6.0, sizes=(4096, 1 << 20), reps=2, connections=(1, 4), cache_dir=cache_dir).measure()
+    tuned = Communicator(None, config=plan.apply(comm.config), plan=plan)
+    x = torch.full((300_000,), float(rank + 1))
+    tuned.all_reduce(x)
+    close_communicator(tuned)
+    close_communicator(comm)
+    return plan.to_json(), tuned.config.connections, x[:3].tolist()
+
+
+def test_connections_are_measured_across_nodes_and_the_plan_config_uses_the_winner(tmp_path):
+    pytest.importorskip("slipstream.core_comm.transport")
+    out = run_ranks(_tune_connections, 4, str(tmp_path), timeout=120,
+                    rank_env=[{"SLIPSTREAM_NODE": str(n)} for n in (0, 0, 1, 1)])
+    plans = [p for p, _, _ in out]
+    assert all(p == plans[0] for p in plans)
+    assert set(plans[0]["connection_times_s"]) == {"1", "4"}
+    assert all(k == plans[0]["connections"] for _, k, _ in out)
+    assert all(x == [10.0] * 3 for _, _, x in out)
