@@ -1,5 +1,6 @@
 """The multi-connection inter-node transport against gloo, on loopback ranks."""
 
+import os
 import time
 
 import pytest
@@ -52,6 +53,7 @@ def _matches_gloo(rank, world):
             for op in (R.MAX, R.MIN, R.PRODUCT):
                 seed += 2
                 _check_ops(t, rank, world, seed, torch.float32, 1031, op)
+            _forked_child_closes_its_copy(t)
             # Async calls queued back to back finish in order with the right results.
             xs = [_data(rank, seed + i, 4099 * (i + 1), torch.float32) for i in range(4)]
             refs = [x.clone() for x in xs]
@@ -62,6 +64,18 @@ def _matches_gloo(rank, world):
                 w.wait()
                 assert torch.equal(x, ref)
     return seed
+
+
+def _forked_child_closes_its_copy(t):
+    """A forked child (a DataLoader worker) closing the transport leaves the parent's working."""
+    pid = os.fork()
+    if pid == 0:
+        t.close()
+        os._exit(0)
+    os.waitpid(pid, 0)
+    x = torch.ones(1 << 16)
+    t.all_reduce(x, R.SUM)
+    assert torch.equal(x, torch.full_like(x, dist.get_world_size()))
 
 
 @pytest.mark.parametrize("world", [2, 3])
@@ -163,3 +177,20 @@ def test_endpoint_from_env():
 def test_bad_settings_are_rejected(kwargs, match):
     with pytest.raises(ValueError, match=match):
         MultiConnInter(None, **kwargs)
+
+
+@pytest.mark.netns
+def test_bench_transport_runs_on_two_emulated_nodes(tmp_path):
+    import argparse
+    import json
+
+    from slipstream.bench import transport as bench
+
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    out = tmp_path / "records.json"
+    args = parser.parse_args(["--size", "1M", "--iters", "1", "--warmup", "0", "--json", str(out)])
+    assert bench.run(args) == 0
+    records = json.loads(out.read_text())
+    assert [r["impl"] for r in records] == ["gloo", "K=1", "K=4"]
+    assert all(r["time_s"] > 0 and r["bound_s"] > 0 for r in records)

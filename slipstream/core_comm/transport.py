@@ -141,7 +141,7 @@ class _Lanes:
     beyond the calls in flight; closed by ``close()`` or at exit (``weakref.finalize``)."""
 
     __slots__ = ("send_socks", "recv_socks", "peers", "timeout_s", "error", "closed",
-                 "_lock", "_seq", "_work", "_recvs", "_threads")
+                 "_pid", "_lock", "_seq", "_work", "_recvs", "_threads")
 
     def __init__(self, send_socks, recv_socks, peers: tuple[str, str], timeout_s: float) -> None:
         self.send_socks: list[socket.socket] = send_socks
@@ -150,6 +150,7 @@ class _Lanes:
         self.timeout_s = timeout_s
         self.error: BaseException | None = None  # the first failure; breaks the transport
         self.closed = False
+        self._pid = os.getpid()  # a forked child (a DataLoader worker) must not shut our sockets
         self._lock = threading.Lock()
         self._seq = 0
         self._work = [queue.SimpleQueue() for _ in send_socks]
@@ -185,6 +186,11 @@ class _Lanes:
 
     def close(self) -> None:
         if self.closed:
+            return
+        if os.getpid() != self._pid:  # shutdown() would cut the parent's connections too
+            self.closed = True
+            for s in {*self.send_socks, *self.recv_socks}:
+                s.close()
             return
         with self._lock:
             self.closed = True
