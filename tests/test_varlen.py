@@ -254,3 +254,14 @@ def test_num_items_in_batch_gives_the_summed_loss_over_that_count():
     a = ours(input_ids=ids, attention_mask=mask, labels=labels, num_items_in_batch=torch.tensor(40))
     b = ref(input_ids=ids, attention_mask=mask, labels=labels, num_items_in_batch=torch.tensor(40))
     torch.testing.assert_close(a.loss, b.loss, rtol=1e-5, atol=1e-6)
+
+
+def test_shift_labels_in_padded_layout_are_honoured():
+    ref, ours = _model(), _model()
+    apply_varlen(ours)
+    ids, mask, labels = _padded([6, 9, 3])
+    shift = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100)
+    shift[0, 2] = -100  # differs from labels: the loss must follow shift_labels
+    a = ours(input_ids=ids, attention_mask=mask, labels=labels, shift_labels=shift)
+    b = ref(input_ids=ids, attention_mask=mask, labels=labels, shift_labels=shift)
+    torch.testing.assert_close(a.loss, b.loss, rtol=1e-5, atol=1e-6)

@@ -235,7 +235,7 @@ def _varlen_forward(
         )
     logits = self.lm_head(inner.norm(hidden))
     loss = None
-    if labels is not None or shift_labels is not None:
+    if labels is not None:  # as the stock model: shift_labels alone computes no loss
         loss = _packed_loss(self, logits, packed, labels, shift_labels, num_items_in_batch)
     if padded and state.config.logits == "padded":
         logits = packed.pad(logits)
