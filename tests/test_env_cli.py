@@ -21,7 +21,7 @@ def test_env_json_reports_topology_fast_paths_routes_tuned_plan_and_versions(tmp
     assert env["topology"]["num_nodes"] == 1 and env["topology"]["node_sizes"] == [2]
     assert [r["rank"] for r in env["topology"]["ranks"]] == [0, 1]
     paths = env["fast_paths"]
-    assert set(paths) == {"shm", "hierarchical", "multi_connection"}
+    assert set(paths) == {"shm", "hierarchical", "multi_connection", "cuda_staging"}
     assert paths["shm"]["active"] is is_supported_platform()
     assert not paths["hierarchical"]["active"] and paths["hierarchical"]["why_not"]
     assert not paths["multi_connection"]["active"] and paths["multi_connection"]["why_not"]

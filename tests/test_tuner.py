@@ -14,7 +14,7 @@ from _dist import run_ranks
 from slipstream.core_comm import Choice, CommConfig, Communicator
 from slipstream.core_comm.tuner import (
     SIZE_CLASSES, BucketSizes, Entry, TuneKey, TunedPlan, Tuner, TunerCacheWarning, _read_cache,
-    _write_cache, close_communicator, load_plan, model_plan,
+    _write_cache, close_communicator, load_plan, model_plan, tuned_communicator,
 )
 
 KEY = TuneKey(world_size=4, node_sizes=(2, 2), paths="hierarchical", torch="2.13.0", slipstream="0.1.0")
@@ -241,3 +241,20 @@ def test_connections_are_measured_across_nodes_and_the_plan_config_uses_the_winn
     assert set(plans[0]["connection_times_s"]) == {"1", "4"}
     assert all(k == plans[0]["connections"] for _, k, _ in out)
     assert all(x == [10.0] * 3 for _, _, x in out)
+
+
+def _tuned_comm(rank, world, cache_dir):
+    comm = Communicator(None)
+    Tuner(comm, budget_s=1.0, sizes=(4096, 65536), reps=2, cache_dir=cache_dir).tune()
+    close_communicator(comm)
+    tuned = tuned_communicator(None, cache_dir=cache_dir)
+    x = torch.full((5000,), float(rank + 1))
+    tuned.all_reduce(x)
+    source = tuned.plan.source
+    close_communicator(tuned)
+    return source, x[0].item()
+
+
+def test_tuned_communicator_runs_the_cached_plan(tmp_path):
+    out = run_ranks(_tuned_comm, 2, str(tmp_path), timeout=120)
+    assert out == [("cached", 3.0), ("cached", 3.0)]

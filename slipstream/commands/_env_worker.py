@@ -41,8 +41,12 @@ def _fast_paths(comm: Communicator) -> dict:
         conn_why = "connections=1 (SLIPSTREAM_CONNECTIONS)"
     else:
         conn_why = ""
+    cuda = torch.cuda.is_available()
+    staging_why = ("no CUDA device" if not cuda else "disabled (SLIPSTREAM_CUDA_STAGING=0)" if not cfg.cuda_staging
+                   else "the group has NCCL" if "nccl" in str(dist.get_backend(comm.group)) else off)
     return {
         "shm": {"active": comm.shm is not None, "why_not": shm_why},
+        "cuda_staging": {"active": not staging_why, "why_not": staging_why},
         "hierarchical": {"active": comm.hier is not None, "why_not": hier_why, "nodes": topo.num_nodes},
         "multi_connection": {"active": not conn_why, "why_not": conn_why, "connections": cfg.connections,
                              "transport_importable": _has_transport()},

@@ -1,10 +1,11 @@
 """Measured choices for the communicator: per (collective, size, dtype) on one topology, the
 algorithm and the hierarchical chunk; topology-wide, the TCP connections per inter-node peer.
 
+    comm = tuned_communicator(group)    # collective: a Communicator running the cached plan
+    comm.plan.buckets.ddp_kwargs()      # {"bucket_cap_mb": ...}; .deepspeed_config(), .fsdp_kwargs()
     plan = load_plan(comm)              # collective: the cache, else the cost model; no measuring
     plan = Tuner(comm).tune()           # collective: the cache, else measure (<= budget_s), cache
-    comm = Communicator(group, config=plan.apply(config), plan=plan)
-    plan.buckets.deepspeed_config()     # {"zero_optimization": {"reduce_bucket_size": ...}}
+    comm = Communicator(group, config=plan.apply(config), plan=plan)  # plan.connections applied
 
 Rank 0 of the group reads the cache and decides; every rank gets the plan from one broadcast,
 so ranks never disagree, whatever their disks hold. While measuring, every decision (skip a
@@ -32,7 +33,8 @@ from .communicator import Choice, Communicator
 from .config import CommConfig
 
 __all__ = ["BucketSizes", "TuneKey", "TunedPlan", "Tuner", "TunerCacheWarning",
-           "close_communicator", "default_cache_dir", "load_plan", "model_plan", "KINDS", "SIZE_CLASSES"]
+           "close_communicator", "default_cache_dir", "load_plan", "model_plan", "tuned_communicator",
+           "KINDS", "SIZE_CLASSES"]
 
 log = logging.getLogger("slipstream.tuner")
 
@@ -342,6 +344,23 @@ def load_plan(comm: Communicator, *, cache_dir: str | os.PathLike | None = None)
     if data is None:
         return model_plan(key, comm.config)
     return TunedPlan.from_json(data, source="cached")
+
+
+def tuned_communicator(group: dist.ProcessGroup | None = None, *, config: CommConfig | None = None,
+                       cache_dir: str | os.PathLike | None = None) -> Communicator:
+    """Collective: a communicator over ``group`` running the cached plan (else the cost model).
+
+    The adapters' entry point. When the plan measured another connection count than
+    ``config``'s, the communicator is built again with it (once, at set-up).
+    """
+    comm = Communicator(group, config=config)
+    plan = load_plan(comm, cache_dir=cache_dir)
+    wanted = plan.apply(comm.config)
+    if wanted != comm.config:
+        close_communicator(comm)
+        comm = Communicator(group, config=wanted, topology=comm.topology)
+    comm.plan = plan
+    return comm
 
 
 # ---------------------------------------------------------------------------- measuring
