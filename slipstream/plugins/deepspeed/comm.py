@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from ...core_comm import CommConfig, Communicator
-from ...core_comm.tuner import load_plan
+from ...core_comm.tuner import tuned_communicator
 
 __all__ = ["CommBackend", "install_comm", "uninstall_comm", "installed_backend"]
 
@@ -35,7 +35,7 @@ class CommBackend:
         comm = self._comms.get(key)
         if comm is None:
             # First collective on this group: every member is inside the same call.
-            comm = self._comms[key] = _tuned_communicator(key, self.config)
+            comm = self._comms[key] = tuned_communicator(key, config=self.config)
         return comm
 
     def all_reduce(self, tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
@@ -57,19 +57,6 @@ class CommBackend:
         for comm in self._comms.values():
             comm.close()
         self._comms.clear()
-
-
-def _tuned_communicator(group, config: CommConfig) -> Communicator:
-    """A communicator that follows the tuner's cached plan for its topology (or the built-in
-    cost model when nothing is cached). Collective over ``group``."""
-    comm = Communicator(group, config=config)
-    plan = load_plan(comm)
-    tuned = plan.apply(config)
-    if tuned != config:  # the plan measured another connection count: rebuild once with it
-        comm.close()
-        comm = Communicator(group, config=tuned)
-    comm.plan = plan
-    return comm
 
 
 def installed_backend() -> CommBackend | None:
