@@ -2,7 +2,18 @@
 
 ``slipstream.core_comm`` holds the fast collectives, ``slipstream.core_compile`` the
 padding-removal pass, ``slipstream.plugins`` the thin adapters for each training stack.
+
+Importing slipstream registers the ``slipstream`` torch.distributed backend, so that
+``dist.init_process_group("slipstream")`` works; it changes no default. ``slipstream.enable()``
+makes it the default for CPU, ``slipstream.disable()`` undoes that exactly. Importing
+slipstream imports torch.distributed, never an optional framework.
 """
 
+from .core_comm._backend_registry import register as _register
+from .core_comm.ddp_hook import DDPHookState, ddp_hook
+from .switch import disable, enable, is_enabled
+
 __version__ = "0.1.0"
-__all__ = ["__version__"]
+__all__ = ["DDPHookState", "__version__", "ddp_hook", "disable", "enable", "is_enabled"]
+
+_register()

@@ -25,7 +25,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(fn, rank, world_size, port, env, args, queue, pg_timeout):
+def _child(fn, rank, world_size, port, env, args, queue, pg_timeout, backend="gloo"):
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -39,7 +39,7 @@ def _child(fn, rank, world_size, port, env, args, queue, pg_timeout):
 
         torch.set_num_threads(1)
         dist.init_process_group(
-            "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout)
+            backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout)
         )
         try:
             result = fn(rank, world_size, *args)
@@ -59,12 +59,15 @@ def run_ranks(
     rank_env: Sequence[dict] | None = None,
     pg_timeout: float = 60.0,
     allow_failures: bool = False,
+    backend: str = "gloo",
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on each rank; return results ordered by rank.
 
     ``env`` is set on every rank, ``rank_env[r]`` on rank ``r`` only (e.g. a node override).
     ``fn`` must be importable (defined at module level). With ``allow_failures`` a rank that
     raised or died yields an ``Exception`` holding its traceback instead of failing the call.
+    ``backend`` is passed to ``init_process_group``; a non-stock one must be registered when
+    ``fn``'s module is imported (the child imports it to unpickle ``fn``).
     """
     port = free_port()
     queue = _CTX.Queue()
@@ -74,7 +77,7 @@ def run_ranks(
         if rank_env is not None:
             merged.update(rank_env[rank])
         p = _CTX.Process(
-            target=_child, args=(fn, rank, world_size, port, merged, args, queue, pg_timeout)
+            target=_child, args=(fn, rank, world_size, port, merged, args, queue, pg_timeout, backend)
         )
         p.start()
         procs.append(p)

@@ -1,0 +1,272 @@
+"""The ``slipstream`` torch.distributed backend: ``dist.init_process_group("slipstream")``.
+
+A ``SlipstreamProcessGroup`` is a ``torch.distributed.ProcessGroup`` (a Python subclass, the
+form torch's own threaded test backend takes) that holds the stock backends of its ranks: a
+``ProcessGroupGloo`` for CPU tensors and, where CUDA and NCCL exist, a ``ProcessGroupNCCL``
+for CUDA tensors, both built from the group's store. Three collectives go through the
+``Communicator`` of the core when it has a fast path for the call:
+
+    allreduce             ``dist.all_reduce`` of one tensor
+    all_gather_single     ``dist.all_gather_single`` / ``all_gather_into_tensor``
+                          (torch < 2.13 calls it ``_allgather_base``)
+    reduce_scatter_single ``dist.reduce_scatter_single`` / ``reduce_scatter_tensor``
+                          (torch < 2.13: ``_reduce_scatter_base``)
+
+Everything else (broadcast, barrier, send/recv, all_to_all, gather/scatter, list all-gather
+and reduce-scatter, the object collectives built on them, coalesced calls, monitored_barrier)
+is torch's own ``ProcessGroup`` code dispatching to the stock backends registered on the
+group, so it behaves exactly as with ``"cpu:gloo,cuda:nccl"``. So does an accelerated call
+that the core refuses: several tensors, a per-call timeout, AVG or PREMUL_SUM (gloo rejects
+them; so do we), an unsupported dtype or device, a size the plan routes to the stock path,
+CUDA tensors where NCCL exists.
+
+The communicator runs over a gloo "twin" of the group's ranks, a registered group built on the
+first call that can use it (a collective: every rank of the group makes that call). Its own
+collectives (topology exchange, node subgroups) therefore run on gloo groups and never come
+back here. Subgroups made with ``new_group(backend=None)`` on a slipstream default group are
+slipstream groups themselves, each with its own twin, built by its members only.
+
+Async calls (``async_op=True``, and DDP's bucket allreduce) run on the communicator's worker
+thread and return a ``Work`` made from a ``torch.futures.Future`` whose value is the list of
+output tensors, as gloo's is.
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import (
+    AllgatherOptions,
+    AllreduceOptions,
+    ReduceScatterOptions,
+    _create_work_from_future,
+)
+
+from ._backend_registry import BACKEND
+from .communicator import Communicator
+from .config import CommConfig
+from .shm import ShmComm
+
+__all__ = ["BACKEND", "SlipstreamProcessGroup", "create_process_group"]
+
+log = logging.getLogger("slipstream.backend")
+
+ReduceOp = dist.ReduceOp
+BackendType = dist.ProcessGroup.BackendType
+# gloo has no AVG; PREMUL_SUM is a NCCL feature. A call the stock path rejects is rejected here.
+_FAST_OPS = (ReduceOp.SUM, ReduceOp.PRODUCT, ReduceOp.MAX, ReduceOp.MIN)
+_UNSET_TIMEOUT = AllreduceOptions().timeout  # -1 ms: "the group's timeout"
+
+
+class SlipstreamProcessGroup(dist.ProcessGroup):
+    """One process group of the ``slipstream`` backend. Made by ``init_process_group`` /
+    ``new_group``, not by hand (``create_process_group`` is the creator torch calls)."""
+
+    def __init__(self, store: dist.Store, rank: int, size: int, timeout: timedelta, *,
+                 global_ranks: list[int], group_name: str, config: CommConfig) -> None:
+        super().__init__(rank, size)
+        # what the group is
+        self._rank = rank
+        self._size = size
+        self._global_ranks = tuple(global_ranks) if global_ranks else tuple(range(size))
+        self._config = config
+        # the stock backends: every call the core does not take
+        self._gloo = _gloo(store, rank, size, timeout, self._global_ranks, group_name)
+        self._register_backend(torch.device("cpu"), BackendType.GLOO, self._gloo)
+        self._nccl = _nccl(store, rank, size, timeout, self._global_ranks, group_name)
+        if self._nccl is not None:
+            self._register_backend(torch.device("cuda"), BackendType.NCCL, self._nccl)
+        self._set_default_backend(BackendType.GLOO)
+        # the fast path, built on the first call that can use it
+        self._comm: Communicator | None = None
+
+    def getBackendName(self) -> str:  # noqa: N802 - torch's name (``pg.name()``)
+        return BACKEND
+
+    def __repr__(self) -> str:
+        return f"SlipstreamProcessGroup(rank={self._rank}, size={self._size}, ranks={list(self._global_ranks)})"
+
+    @property
+    def communicator(self) -> Communicator | None:
+        """The core's communicator of this group; None until the first accelerated call."""
+        return self._comm
+
+    # ---------------------------------------------------------------- accelerated collectives
+
+    def allreduce(self, tensors, opts=AllreduceOptions()):
+        tensors, opts = _as_list(tensors), _as_opts(opts, AllreduceOptions)
+        op = opts.reduceOp.op
+        if len(tensors) != 1:
+            return self._stock(tensors[0]).allreduce(tensors, opts)
+        tensor = tensors[0]
+        comm = self._fast(tensor, op, opts, "all_reduce")
+        if comm is None:
+            return self._stock(tensor).allreduce(tensors, opts)
+        return _launch(lambda a: comm.all_reduce(tensor, op, async_op=a), tensors, opts)
+
+    def all_gather_single(self, output, input, opts=AllgatherOptions()):
+        """``output`` holds ``size()`` blocks of ``input``'s shape, in group-rank order."""
+        opts = _as_opts(opts, AllgatherOptions)
+        comm = None
+        if _fits(output, input, self._size, gather=True):
+            comm = self._fast(input, ReduceOp.SUM, opts, "all_gather", output)
+        if comm is None:
+            return self._stock(input)._allgather_base(output, input, opts)
+        return _launch(lambda a: comm.all_gather(output, input, async_op=a), [output], opts)
+
+    def reduce_scatter_single(self, output, input, opts=ReduceScatterOptions()):
+        """``input`` holds ``size()`` blocks of ``output``'s shape; block r reduces into rank r."""
+        opts = _as_opts(opts, ReduceScatterOptions)
+        op = opts.reduceOp.op
+        comm = None
+        if _fits(output, input, self._size, gather=False):
+            comm = self._fast(input, op, opts, "reduce_scatter", output)
+        if comm is None:
+            return self._stock(input)._reduce_scatter_base(output, input, opts)
+        return _launch(lambda a: comm.reduce_scatter(output, input, op, async_op=a), [output], opts)
+
+    # torch < 2.13 calls these names.
+    _allgather_base = all_gather_single
+    _reduce_scatter_base = reduce_scatter_single
+
+    # ---------------------------------------------------------------- life cycle
+
+    def shutdown(self) -> None:
+        """Called by ``destroy_process_group``: finish pending fast calls, release shared
+        memory, then shut the stock backends down."""
+        comm, self._comm = self._comm, None
+        if comm is not None:
+            comm.close()
+        super().shutdown()
+
+    # ---------------------------------------------------------------- routing
+
+    def _stock(self, tensor: torch.Tensor):
+        """The stock backend for ``tensor``'s device (gloo when there is no NCCL)."""
+        if tensor.device.type == "cuda" and self._nccl is not None:
+            return self._nccl
+        return self._gloo
+
+    def _fast(self, tensor, op, opts, kind, *others) -> Communicator | None:
+        """The communicator if this call takes the fast path, else None (stock).
+
+        Decided from what every rank of a correct program passes alike (device, dtype, op,
+        size, options), so all ranks decide the same; the first time it says yes, every rank
+        builds the communicator (collective)."""
+        if not self._eligible(tensor, op, opts, others):
+            return None
+        comm = self._communicator()
+        algo, why = comm.algorithm(tensor, op, kind)
+        if algo == "stock":
+            log.debug("slipstream %s of %s %s: stock %s: %s", kind, tuple(tensor.shape),
+                      tensor.dtype, self._stock(tensor).name(), why)
+            return None
+        return comm
+
+    def _eligible(self, tensor, op, opts, others) -> bool:
+        if self._size == 1 or not self._config.shm:
+            return False
+        if opts.timeout != _UNSET_TIMEOUT or op not in _FAST_OPS:
+            return False
+        if tensor.device.type == "cuda" and self._nccl is not None:
+            return False  # NCCL beats staging through host memory
+        if any(t.device != tensor.device or t.layout != torch.strided for t in (tensor, *others)):
+            return False
+        return ShmComm.supports(tensor.new_empty(0, device="cpu"), op) is None
+
+    def _communicator(self) -> Communicator:
+        if self._comm is None:
+            from .groups import _subgroup  # the cache shares the twin with the core's subgroups
+
+            twin = _subgroup(self._global_ranks, "gloo")
+            self._comm = Communicator(twin, config=self._config)
+            log.info("slipstream group of ranks %s: communicator over gloo twin; %s",
+                     list(self._global_ranks), self._comm.unavailable or "fast paths available")
+        return self._comm
+
+
+# -------------------------------------------------------------------- helpers
+
+
+def _as_list(tensors) -> list:
+    return [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+
+
+def _as_opts(opts, kind):
+    """``pg.allreduce(t, op)`` is a public overload too: turn a bare op into options."""
+    if isinstance(opts, kind):
+        return opts
+    made = kind()
+    made.reduceOp = opts
+    return made
+
+
+def _fits(output: torch.Tensor, input: torch.Tensor, size: int, *, gather: bool) -> bool:
+    """The concatenated layout gloo accepts: the big tensor is ``size`` small ones along
+    dim 0, same dtype. Anything else (the stacked form NCCL also takes) goes to gloo, which
+    raises its own error, so a call fails or succeeds alike whichever path it takes."""
+    big, small = (output, input) if gather else (input, output)
+    if output.dtype != input.dtype or small.dim() == 0:
+        return False
+    return big.shape == (size * small.shape[0], *small.shape[1:])
+
+
+def _launch(run, outputs: list, opts):
+    """Run ``run(async_op)`` and wrap it as a torch ``Work`` whose future holds ``outputs``."""
+    fut: torch.futures.Future = torch.futures.Future()
+    if not opts.asyncOp:
+        run(False)
+        fut.set_result(outputs)
+        return _create_work_from_future(fut)
+    handle = run(True)
+
+    def done(cf) -> None:
+        error = cf.exception()
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(outputs)
+
+    handle.get_future().add_done_callback(done)
+    return _create_work_from_future(fut)
+
+
+def _gloo(store, rank, size, timeout, global_ranks, group_name) -> dist.ProcessGroupGloo:
+    gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, size, timeout)
+    gloo.options.global_ranks_in_group = list(global_ranks)
+    gloo.options.group_name = group_name
+    gloo._set_sequence_number_for_group()
+    return gloo
+
+
+def _nccl(store, rank, size, timeout, global_ranks, group_name):
+    if not (dist.is_nccl_available() and torch.cuda.is_available()):
+        return None
+    options = dist.ProcessGroupNCCL.Options()
+    options.is_high_priority_stream = False
+    options._timeout = timeout
+    options.global_ranks_in_group = list(global_ranks)
+    options.group_name = group_name
+    nccl = dist.ProcessGroupNCCL(dist.PrefixStore("nccl/", store), rank, size, options)
+    nccl._set_sequence_number_for_group()
+    return nccl
+
+
+def create_process_group(dist_options, pg_options=None, *, config: CommConfig | None = None):
+    """torch's creator for the backend (``register_backend(..., extended_api=True)``).
+
+    The group's settings, first found first: ``pg_options`` (a ``CommConfig`` passed to
+    ``init_process_group`` / ``new_group``), the ``config`` bound at registration
+    (``slipstream.enable(config)``), the ``SLIPSTREAM_*`` environment.
+    """
+    if pg_options is not None and not isinstance(pg_options, CommConfig):
+        raise TypeError(f"the slipstream backend takes a CommConfig as pg_options, got {type(pg_options).__name__}")
+    cfg = pg_options or config or CommConfig.from_env()
+    return SlipstreamProcessGroup(
+        dist_options.store, dist_options.group_rank, dist_options.group_size, dist_options.timeout,
+        global_ranks=list(dist_options.global_ranks_in_group), group_name=str(dist_options.group_id),
+        config=cfg,
+    )
