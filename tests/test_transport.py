@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _dist import run_ranks
+from _dist import free_port, run_ranks
 from slipstream.core_comm import CommConfig, Communicator, transport
 from slipstream.core_comm._compat import all_gather_into_tensor, reduce_scatter_tensor
 from slipstream.core_comm.transport import MultiConnInter, TransportError, _split, endpoint_from_env
@@ -130,6 +130,27 @@ def _size_mismatch(rank, world):
 
 def test_size_mismatch_between_peers_raises_on_both():
     run_ranks(_size_mismatch, 2, env=LOOPBACK, timeout=60)
+
+
+def _port_blocks(rank, world, base):
+    ports = range(base, base + 16)
+    first = MultiConnInter(dist.group.WORLD, connections=2, timeout_s=20, ports=ports)
+    second = MultiConnInter(dist.group.WORLD, connections=2, timeout_s=20, ports=ports)
+    if rank == 0:  # with 2 peers, rank 0 listens: its block, then its next block (the first is held)
+        assert [s.getsockname()[1] for s in first._lanes.recv_socks] == [base, base + 1]
+        assert [s.getsockname()[1] for s in second._lanes.recv_socks] == [base + 4, base + 5]
+        with pytest.raises(TransportError, match="no 2 free ports for global rank 0"):
+            transport._listen("127.0.0.1", range(base, base + 6), 2, 20)
+    x = torch.ones(1 << 18)
+    first.all_reduce(x)
+    second.all_reduce(x)
+    assert torch.equal(x, torch.full_like(x, 4.0))
+    first.close()
+    second.close()
+
+
+def test_each_transport_listens_on_a_port_block_of_its_own():
+    run_ranks(_port_blocks, 2, free_port(), env=LOOPBACK, timeout=60)
 
 
 def _peer_hangs_or_dies(rank, world, timeout_s):

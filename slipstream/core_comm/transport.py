@@ -26,6 +26,7 @@ the transport: every pending and later call raises that first error.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import queue
@@ -140,12 +141,13 @@ class _Lanes:
     """The sockets and threads: per lane, the connection(s) and two threads. Owns no tensors
     beyond the calls in flight; closed by ``close()`` or at exit (``weakref.finalize``)."""
 
-    __slots__ = ("send_socks", "recv_socks", "peers", "timeout_s", "error", "closed",
+    __slots__ = ("send_socks", "recv_socks", "listeners", "peers", "timeout_s", "error", "closed",
                  "_pid", "_lock", "_seq", "_work", "_recvs", "_threads")
 
-    def __init__(self, send_socks, recv_socks, peers: tuple[str, str], timeout_s: float) -> None:
+    def __init__(self, send_socks, recv_socks, listeners, peers: tuple[str, str], timeout_s: float) -> None:
         self.send_socks: list[socket.socket] = send_socks
         self.recv_socks: list[socket.socket] = recv_socks
+        self.listeners: list[socket.socket] = listeners
         self.peers = peers  # (right, left): whom we send to, whom we receive from
         self.timeout_s = timeout_s
         self.error: BaseException | None = None  # the first failure; breaks the transport
@@ -189,7 +191,7 @@ class _Lanes:
             return
         if os.getpid() != self._pid:  # shutdown() would cut the parent's connections too
             self.closed = True
-            for s in {*self.send_socks, *self.recv_socks}:
+            for s in {*self.send_socks, *self.recv_socks, *self.listeners}:
                 s.close()
             return
         with self._lock:
@@ -200,7 +202,7 @@ class _Lanes:
         for t in self._threads:
             if t is not threading.current_thread():
                 t.join(timeout=5)
-        for s in {*self.send_socks, *self.recv_socks}:
+        for s in {*self.send_socks, *self.recv_socks, *self.listeners}:
             s.close()
 
     # ------------------------------------------------------------ threads
@@ -331,41 +333,49 @@ def _connect(group, rank: int, size: int, k: int, timeout_s: float, address: str
         for c, listener in enumerate(listeners):
             opened.append(_accept(listener, left, c, token, timeout_s))
     except BaseException:
-        for s in opened:
+        for s in (*opened, *listeners):
             s.close()
         raise
-    finally:
-        for s in listeners:
-            s.close()
     for s in opened:
         s.settimeout(timeout_s)
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     out, inc = (opened[:k], opened[k:]) if connects else ([], opened)
     peers = (f"group rank {right} ({every[right][0]})", f"group rank {left} ({every[left][0]})")
-    return _Lanes(out or inc, inc or out, peers, timeout_s)
+    # The listeners stay open while the transport lives, so that its ports stay its own.
+    return _Lanes(out or inc, inc or out, listeners, peers, timeout_s)
 
 
 def _listen(address: str, ports: range | None, k: int, timeout_s: float) -> list[socket.socket]:
-    g = dist.get_rank()
-    mine = [0] * k if ports is None else ports[g * k:(g + 1) * k]
-    if len(mine) < k:
-        raise ValueError(f"ports {ports} are too few: global rank {g} with {k} connections listens "
-                         f"on ports[{g * k}:{(g + 1) * k}]")
+    """K listening sockets. With ``ports``, global rank g takes the first block of K free ports
+    at ``ports[(j*W + g)*K:]``, j = 0, 1, ... (W the world size): blocks of different ranks
+    never overlap, so every connection of the job has a port of its own, and a second
+    transport of the same process moves on to its next block."""
+    if ports is None:
+        return _bind_all(address, [0] * k, timeout_s)
+    g, world, busy = dist.get_rank(), dist.get_world_size(), None
+    for start in range(g * k, len(ports) - k + 1, world * k):
+        try:
+            return _bind_all(address, ports[start:start + k], timeout_s)
+        except OSError as e:
+            if e.errno != errno.EADDRINUSE:
+                raise TransportError(f"cannot listen on {address}: {e}") from None
+            busy = e
+    raise TransportError(f"no {k} free ports for global rank {g} in {ports} (blocks of {k} from index "
+                         f"{g * k}, every {world * k}): {busy or 'the range is too short'}")
+
+
+def _bind_all(address: str, ports: Sequence[int], timeout_s: float) -> list[socket.socket]:
     listeners: list[socket.socket] = []
     try:
-        for port in mine:
+        for port in ports:
             listeners.append(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
             listeners[-1].setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                listeners[-1].bind((address, port))
-            except OSError as e:
-                raise TransportError(f"cannot listen on {address}:{port} ({e}); every transport of a job "
-                                     "needs its own ports (ports / SLIPSTREAM_PORT_BASE)") from None
+            listeners[-1].bind((address, port))
             listeners[-1].listen(1)
             listeners[-1].settimeout(timeout_s)
     except BaseException:
-        for s in listeners:
-            s.close()
+        for sock in listeners:
+            sock.close()
         raise
     return listeners
 
@@ -395,9 +405,9 @@ class MultiConnInter:
     over ``group``, which carries the addresses; data never goes through it.
 
     ``address``/``ports``: where this rank listens; None takes them from ``endpoint_from_env``.
-    With ``ports``, the rank of global rank ``g`` listens on ``ports[g*K : (g+1)*K]`` (K =
-    ``connections``), so that every connection of the job has its own port (the emulated
-    cluster's per-connection caps key on ports); without, the kernel picks them.
+    With ``ports``, each rank listens on K (= ``connections``) ports of its own (see ``_listen``),
+    so that every connection of the job has its own port (the emulated cluster's
+    per-connection caps key on ports); without, the kernel picks them.
     ``timeout_s``: a peer that sends or takes nothing for this long raises ``TransportError``.
     Tensors: contiguous, CPU, of ``_DTYPES``; ops SUM, PRODUCT, MAX, MIN (AVG is the caller's).
     """
