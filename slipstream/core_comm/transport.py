@@ -12,9 +12,9 @@ Algorithms among N peers (S bytes per rank):
     all_reduce, N > 2   ring reduce-scatter, then ring allgather (2(N-1)/N x S out of each node)
     reduce_scatter      ring, N-1 steps;  all_gather: ring, N-1 steps
 
-Lanes: lane ``c`` is a thread that runs piece ``c`` of every call, in call order: post the
-receive, send, wait for the receive, reduce (torch ops and socket I/O release the GIL, so
-lanes and the caller's thread run in parallel). A receiver thread per lane reads its
+Lanes: lane ``c`` is a thread that runs piece ``c`` of every call, in call order, step by
+step: send the header, post the receive, send the piece, wait for the receive, reduce (torch
+ops and socket I/O release the GIL, so lanes and the caller's thread run in parallel). A receiver thread per lane reads its
 connection with ``recv_into`` straight into the tensor's memory. Calls return a handle at once;
 one call's pieces are queued on every lane under one lock, so calls keep their order.
 
@@ -22,6 +22,9 @@ Wire: before every piece (empty ones too) a 32-byte header names the call number
 element count and piece size; the receiver checks them, so a size or order mismatch between
 peers raises instead of corrupting data. Any error (a dead peer, a timeout, a mismatch) breaks
 the transport: every pending and later call raises that first error.
+
+Ports: each rank listens on K ports of its own for the transport's life (``_listen``), so
+that per-connection rate limits keyed on ports (the emulated cluster's) see one flow per port.
 """
 
 from __future__ import annotations
