@@ -156,9 +156,14 @@ def test_each_transport_listens_on_a_port_block_of_its_own():
 def _peer_hangs_or_dies(rank, world, timeout_s):
     hanging = MultiConnInter(dist.group.WORLD, connections=4, timeout_s=timeout_s)
     dying = MultiConnInter(dist.group.WORLD, connections=4, timeout_s=60)
+    closing = MultiConnInter(dist.group.WORLD, connections=4, timeout_s=60)
     if rank == 1:
         time.sleep(timeout_s + 2)  # alive, but never calls: rank 0 times out
         raise RuntimeError("rank 1 exits: the kernel closes its sockets")
+    work = closing.all_reduce(torch.ones(1 << 20), async_op=True)  # rank 1 never joins
+    closing.close()
+    with pytest.raises(TransportError, match="closed"):
+        work.wait()
     start = time.monotonic()
     with pytest.raises(TransportError, match="no progress.*has died, hangs"):
         hanging.all_reduce(torch.ones(1 << 16))
@@ -169,7 +174,7 @@ def _peer_hangs_or_dies(rank, world, timeout_s):
     return hung, time.monotonic() - start
 
 
-def test_peer_that_hangs_or_dies_raises_within_the_timeout():
+def test_peer_that_hangs_or_dies_raises_within_the_timeout_and_close_ends_calls():
     ranks = run_ranks(_peer_hangs_or_dies, 2, 2.0, env=LOOPBACK, timeout=60, allow_failures=True)
     assert isinstance(ranks[1], Exception) and "rank 1 exits" in str(ranks[1])
     hung, died = ranks[0]
