@@ -14,7 +14,7 @@ from _dist import run_ranks
 from slipstream.core_comm import Choice, CommConfig, Communicator
 from slipstream.core_comm.tuner import (
     SIZE_CLASSES, BucketSizes, Entry, TuneKey, TunedPlan, Tuner, TunerCacheWarning, _read_cache,
-    _write_cache, close_communicator, load_plan, model_plan, tuned_communicator,
+    _write_cache, load_plan, model_plan, tuned_communicator,
 )
 
 KEY = TuneKey(world_size=4, node_sizes=(2, 2), paths="hierarchical", torch="2.13.0", slipstream="0.1.0")
@@ -150,7 +150,7 @@ def _tune_twice_with_bad_caches(rank, world, dirs):
                 f.write(json.dumps(stale.to_json()))
         dist.barrier()
     again = tuner.tune()  # rank 0 wrote its measured plan on the second run: now cached
-    close_communicator(comm)
+    comm.close()
     return [p.source for p in (*plans, again)], [p.to_json() for p in (*plans, again)], caught
 
 
@@ -176,8 +176,8 @@ def _tune_in_budget(rank, world, cache_dir, budget):
     x = torch.full((1000,), float(rank + 1))
     tuned = Communicator(None, config=plan.apply(comm.config), plan=plan)
     tuned.all_reduce(x)
-    close_communicator(tuned)
-    close_communicator(comm)
+    tuned.close()
+    comm.close()
     return elapsed, plan.to_json(), x.tolist()
 
 
@@ -208,7 +208,7 @@ def _tune_on_pairs(rank, world, cache_dir):
     first = Tuner(comm, budget_s=1.0, sizes=(4096, 65536), reps=2, cache_dir=cache_dir).tune()
     dist.barrier()  # both pairs wrote the one file their key names
     again = load_plan(comm, cache_dir=cache_dir)
-    close_communicator(comm)
+    comm.close()
     return first.to_json(), again.source, again.to_json()
 
 
@@ -227,8 +227,8 @@ def _tune_connections(rank, world, cache_dir):
     tuned = Communicator(None, config=plan.apply(comm.config), plan=plan)
     x = torch.full((300_000,), float(rank + 1))
     tuned.all_reduce(x)
-    close_communicator(tuned)
-    close_communicator(comm)
+    tuned.close()
+    comm.close()
     return plan.to_json(), tuned.config.connections, x[:3].tolist()
 
 
@@ -246,12 +246,12 @@ def test_connections_are_measured_across_nodes_and_the_plan_config_uses_the_winn
 def _tuned_comm(rank, world, cache_dir):
     comm = Communicator(None)
     Tuner(comm, budget_s=1.0, sizes=(4096, 65536), reps=2, cache_dir=cache_dir).tune()
-    close_communicator(comm)
+    comm.close()
     tuned = tuned_communicator(None, cache_dir=cache_dir)
     x = torch.full((5000,), float(rank + 1))
     tuned.all_reduce(x)
     source = tuned.plan.source
-    close_communicator(tuned)
+    tuned.close()
     return source, x[0].item()
 
 

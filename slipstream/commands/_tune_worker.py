@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from slipstream.core_comm import Communicator
-from slipstream.core_comm.tuner import KINDS, Tuner, _buffers, _call, close_communicator
+from slipstream.core_comm.tuner import KINDS, Tuner, _buffers, _call
 
 
 def _once(comm: Communicator, plan, kind: str, out: torch.Tensor, inp: torch.Tensor) -> float:
@@ -85,7 +85,7 @@ def main() -> None:
         tuned = Communicator(None, config=config, plan=plan) if config != default.config else default
         compare = _compare(default, tuned, plan, [int(s) for s in args.compare.split(",")], args.iters)
         if tuned is not default:
-            close_communicator(tuned)
+            tuned.close()
     if dist.get_rank() == 0:
         topo = default.topology
         with open(args.out, "w") as f:

@@ -144,35 +144,46 @@ class Communicator:
             self._executor.shutdown()
         if self.shm is not None:
             self.shm.close()
+        inter = self.hier.inter if self.hier is not None else None
+        if hasattr(inter, "close"):  # a multi-connection transport's sockets and threads
+            inter.close()
 
     # ---------------------------------------------------------------- routing
 
     def algorithm(self, tensor: torch.Tensor, op=ReduceOp.SUM, kind: str = "all_reduce") -> tuple[str, str]:
         """``(algorithm, reason)`` this communicator uses for ``kind`` on ``tensor`` and ``op``."""
+        algo, why, _ = self._route(kind, tensor, op)
+        return algo, why
+
+    def _route(self, kind: str, tensor: torch.Tensor, op) -> tuple[str, str, Choice | None]:
+        """``(algorithm, reason, the plan's choice)``. A plan's answer overrides the
+        config's ``min_hierarchical_bytes`` (the tuner measured or modelled that size)."""
+        choice = None
         if self.world == 1:
-            return "local", "the group has one rank"
+            return "local", "the group has one rank", choice
         if tensor.device.type == "cuda":
             if not self.config.cuda_staging:
-                return "stock", "CUDA staging is disabled"
+                return "stock", "CUDA staging is disabled", choice
             if "nccl" in str(dist.get_backend(self.group)):
-                return "stock", "CUDA tensor on a group with NCCL"
+                return "stock", "CUDA tensor on a group with NCCL", choice
         elif tensor.device.type != "cpu":
-            return "stock", f"device {tensor.device} is not supported"
+            return "stock", f"device {tensor.device} is not supported", choice
         probe = tensor if tensor.device.type == "cpu" else tensor.new_empty(0, device="cpu")
         reason = ShmComm.supports(probe, op)
         if reason:
-            return "stock", reason
+            return "stock", reason, choice
         nbytes = tensor.numel() * tensor.element_size()
         choice = self.plan.choose(kind, nbytes, tensor.dtype) if self.plan is not None else None
         if choice is not None and choice.algorithm == "stock":
-            return "stock", "the tuned plan measured the stock collective faster"
+            return "stock", f"the plan ({getattr(self.plan, 'source', 'given')}) chose the stock collective", choice
+        staged = tensor.device.type == "cuda"
         if self.hier is not None:
             if choice is None and nbytes < self.config.min_hierarchical_bytes:
-                return "stock", f"{nbytes} bytes is below min_hierarchical_bytes"
-            return ("staged" if tensor.device.type == "cuda" else "hierarchical"), ""
+                return "stock", f"{nbytes} bytes is below min_hierarchical_bytes", choice
+            return ("staged" if staged else "hierarchical"), "", choice
         if self.shm is not None:
-            return ("staged" if tensor.device.type == "cuda" else "shm"), ""
-        return "stock", self.unavailable or "no fast path for this topology"
+            return ("staged" if staged else "shm"), "", choice
+        return "stock", self.unavailable or "no fast path for this topology", choice
 
     def _choose(self, kind: str, tensor: torch.Tensor, op, others=()) -> str:
         for other in others:
@@ -180,11 +191,11 @@ class Communicator:
                 raise ValueError(f"{kind}: tensors on different devices: {tensor.device} and {other.device}")
         if self.config.debug:
             self._check_same_call(kind, tensor, op)
-        algo, why = self.algorithm(tensor, op, kind)
+        algo, why, choice = self._route(kind, tensor, op)
         if algo == "stock":
             log.debug("slipstream %s of %s %s (%s): stock collective: %s",
                       kind, tuple(tensor.shape), tensor.dtype, op, why)
-        return algo
+        return algo, choice
 
     def _check_same_call(self, kind, tensor, op) -> None:
         mine = (kind, tensor.numel(), str(tensor.dtype), tensor.device.type, str(op))
@@ -201,16 +212,17 @@ class Communicator:
 
     def all_reduce(self, tensor: torch.Tensor, op=ReduceOp.SUM, async_op: bool = False):
         """In place, like ``dist.all_reduce``; returns a ``Work`` when ``async_op``."""
-        algo = self._choose("all_reduce", tensor, op)
+        algo, choice = self._choose("all_reduce", tensor, op)
         if algo == "stock":
             return dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op)
-        return self._run(lambda: self._all_reduce(algo, tensor, op), async_op)
+        chunk = choice.chunk_bytes if choice is not None else None
+        return self._run(lambda: self._all_reduce(algo, tensor, op, chunk), async_op)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op=ReduceOp.SUM,
                        async_op: bool = False):
         """Like ``dist.reduce_scatter_tensor``: ``input`` holds ``world`` blocks of ``output``'s size."""
         _check_sizes("reduce_scatter", output, input, self.world)
-        algo = self._choose("reduce_scatter", input, op, (output,))
+        algo, _ = self._choose("reduce_scatter", input, op, (output,))
         if algo == "stock":
             return reduce_scatter_tensor(output, input, op=op, group=self.group, async_op=async_op)
         return self._run(lambda: self._reduce_scatter(algo, output, input, op), async_op)
@@ -218,7 +230,7 @@ class Communicator:
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
         """Like ``dist.all_gather_into_tensor``; ``input`` may be a view into ``output``."""
         _check_sizes("all_gather", output, input, self.world)
-        algo = self._choose("all_gather", input, ReduceOp.SUM, (output,))
+        algo, _ = self._choose("all_gather", input, ReduceOp.SUM, (output,))
         if algo == "stock":
             return all_gather_into_tensor(output, input, group=self.group, async_op=async_op)
         return self._run(lambda: self._all_gather(algo, output, input), async_op)
@@ -240,22 +252,20 @@ class Communicator:
             self._last.result()
             self._last = None
 
-    def _cpu_all_reduce(self, flat: torch.Tensor, op) -> None:
+    def _cpu_all_reduce(self, flat: torch.Tensor, op, chunk_bytes: int | None) -> None:
         if self.hier is None:
             self.shm.all_reduce(flat, op)
-            return
-        choice = self.plan.choose("all_reduce", flat.numel() * flat.element_size(), flat.dtype) if self.plan else None
-        self.hier.all_reduce(flat, op, chunk_bytes=choice.chunk_bytes if choice else None)
+        else:
+            self.hier.all_reduce(flat, op, chunk_bytes=chunk_bytes)
 
-    def _all_reduce(self, algo, tensor, op) -> None:
+    def _all_reduce(self, algo, tensor, op, chunk_bytes) -> None:
         if algo == "local":
             return
+        work = tensor if tensor.is_contiguous() else tensor.contiguous()
         if algo == "staged":
-            work = tensor if tensor.is_contiguous() else tensor.contiguous()
-            self._stager(tensor.device).all_reduce(work, lambda host: self._cpu_all_reduce(host, op))
+            self._stager(tensor.device).all_reduce(work, lambda host: self._cpu_all_reduce(host, op, chunk_bytes))
         else:
-            work = tensor if tensor.is_contiguous() else tensor.contiguous()
-            self._cpu_all_reduce(work.view(-1), op)
+            self._cpu_all_reduce(work.view(-1), op, chunk_bytes)
         if work is not tensor:
             tensor.copy_(work)
 

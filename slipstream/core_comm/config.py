@@ -29,7 +29,8 @@ class CommConfig:
     """TCP connections per inter-node peer (1-16). 1 uses the group's own backend (gloo);
     more split each inter-node message across that many connections (``transport.py``)."""
     min_hierarchical_bytes: int = 0
-    """Smaller messages across nodes use the stock collective."""
+    """Smaller messages across nodes use the stock collective (when no plan decides: a
+    tuner's plan, measured or modelled, overrides this for the sizes it covers)."""
     cuda_staging: bool = True
     """Stage CUDA tensors through pinned host memory where the group has no NCCL."""
     timeout_s: float = 300.0

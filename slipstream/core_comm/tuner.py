@@ -33,7 +33,7 @@ from .communicator import Choice, Communicator
 from .config import CommConfig
 
 __all__ = ["BucketSizes", "TuneKey", "TunedPlan", "Tuner", "TunerCacheWarning",
-           "close_communicator", "default_cache_dir", "load_plan", "model_plan", "tuned_communicator",
+           "default_cache_dir", "load_plan", "model_plan", "tuned_communicator",
            "KINDS", "SIZE_CLASSES"]
 
 log = logging.getLogger("slipstream.tuner")
@@ -358,7 +358,7 @@ def tuned_communicator(group: dist.ProcessGroup | None = None, *, config: CommCo
     plan = load_plan(comm, cache_dir=cache_dir)
     wanted = plan.apply(comm.config)
     if wanted != comm.config:
-        close_communicator(comm)
+        comm.close()
         comm = Communicator(group, config=wanted, topology=comm.topology)
     comm.plan = plan
     return comm
@@ -492,7 +492,7 @@ class Tuner:
             entries = [e for dtype in self.dtypes for e in self._measure_dtype(runner, key, dtype)]
         finally:
             if runner is not comm:
-                close_communicator(runner)
+                runner.close()
         plan = TunedPlan(key=key, entries=entries, connections=connections, connection_times_s=k_times,
                          buckets=_buckets(entries, key), source="measured")
         data = _broadcast_from_rank0(plan.to_json() if comm.rank == 0 else None, comm.group)
@@ -615,17 +615,8 @@ class Tuner:
         best = int(best)
         for k, c in comms.items():
             if k != best and c is not comm:
-                close_communicator(c)
+                c.close()
         return comms[best], best, times
-
-
-def close_communicator(comm: Communicator) -> None:
-    """``comm.close()``, and its multi-connection transport's sockets and threads, which
-    ``Communicator.close`` leaves open."""
-    comm.close()
-    inter = comm.hier.inter if comm.hier is not None else None
-    if inter is not None and hasattr(inter, "close"):
-        inter.close()
 
 
 def _has_transport() -> bool:
