@@ -1,5 +1,7 @@
 """The multi-connection inter-node transport against gloo, on loopback ranks."""
 
+import argparse
+import json
 import os
 import time
 
@@ -8,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from _dist import free_port, run_ranks
+from slipstream.bench import transport as bench
 from slipstream.core_comm import CommConfig, Communicator, transport
 from slipstream.core_comm._compat import all_gather_into_tensor, reduce_scatter_tensor
 from slipstream.core_comm.transport import MultiConnInter, TransportError, _split, endpoint_from_env
@@ -207,15 +210,10 @@ def test_bad_settings_are_rejected(kwargs, match):
 
 @pytest.mark.netns
 def test_bench_transport_runs_on_two_emulated_nodes(tmp_path):
-    import argparse
-    import json
-
-    from slipstream.bench import transport as bench
-
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
     out = tmp_path / "records.json"
-    args = parser.parse_args(["--size", "1M", "--iters", "1", "--warmup", "0", "--json", str(out)])
+    args = parser.parse_args(["--size", "256K", "--iters", "1", "--warmup", "0", "--json", str(out)])
     assert bench.run(args) == 0
     records = json.loads(out.read_text())
     assert [r["impl"] for r in records] == ["gloo", "K=1", "K=4"]
