@@ -9,9 +9,10 @@ sums it across ranks, so the result equals DDP's own (bitwise where the summatio
 same). The state is the process group (None: WORLD) or a ``DDPHookState``, which also takes a
 ``CommConfig``. The communicator is built on the first bucket, a collective: DDP reduces
 buckets in the same order on every rank.
-"""
 
-from __future__ import annotations
+DDP checks the hook's annotations (``bucket: dist.GradBucket``, a ``Future[Tensor]`` result),
+so this module does not use postponed annotations.
+"""
 
 import torch
 import torch.distributed as dist
@@ -60,7 +61,7 @@ def _state_of(state) -> DDPHookState:
     return found
 
 
-def ddp_hook(state, bucket: dist.GradBucket) -> torch.futures.Future:
+def ddp_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Average ``bucket.buffer()`` (flat, the bucket's dtype and device) over the group.
 
     Returns a future of the averaged buffer, as DDP expects. Runs on the communicator's

@@ -1,0 +1,92 @@
+"""One rank of ``slipstream bench ddp``; started by torch.distributed.run on every rank.
+
+The default group is ``init_process_group("slipstream")``; the stock reference is a gloo group
+of the same ranks (``new_group(backend="gloo")``: the same ``ProcessGroupGloo`` that
+``init_process_group("gloo")`` makes). Two copies of one MLP, built from the same seed, are
+wrapped in plain ``DistributedDataParallel``, one per group, and trained on the same
+rank-dependent synthetic batches with SGD, a step of each in turn (which goes first flips
+every step), so that both see the same machine load. Steps after ``--warmup`` are timed; a
+step's time is the slowest rank's. Rank 0 writes the times and the largest weight difference
+between the two models as JSON to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import slipstream  # noqa: F401 - registers the backend
+
+
+def make_model(width: int, depth: int, seed: int = 0) -> torch.nn.Module:
+    """``depth`` Linear(width, width) + GELU layers and a Linear(width, 1) head."""
+    torch.manual_seed(seed)
+    layers: list[torch.nn.Module] = []
+    for _ in range(depth):
+        layers += [torch.nn.Linear(width, width), torch.nn.GELU()]
+    return torch.nn.Sequential(*layers, torch.nn.Linear(width, 1))
+
+
+def batch(rank: int, step: int, size: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randn(size, width, generator=gen)
+    return x, x.sum(1, keepdim=True).sin()
+
+
+def _step(model, opt, x, y) -> float:
+    start = time.perf_counter()
+    opt.zero_grad(set_to_none=True)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--width", type=int, required=True)
+    parser.add_argument("--depth", type=int, required=True)
+    parser.add_argument("--batch", type=int, required=True)
+    parser.add_argument("--steps", type=int, required=True)
+    parser.add_argument("--warmup", type=int, required=True)
+    parser.add_argument("--bucket-mb", type=float, default=25.0)
+    parser.add_argument("--lr", type=float, default=0.01)
+    args = parser.parse_args()
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    dist.init_process_group("slipstream")
+    rank = dist.get_rank()
+    groups = {"gloo": dist.new_group(backend="gloo"), "slipstream": dist.group.WORLD}
+    models = {name: DDP(make_model(args.width, args.depth), process_group=g, bucket_cap_mb=args.bucket_mb)
+              for name, g in groups.items()}
+    opts = {name: torch.optim.SGD(m.parameters(), lr=args.lr) for name, m in models.items()}
+    times: dict[str, list[float]] = {name: [] for name in models}
+    for step in range(args.warmup + args.steps):
+        x, y = batch(rank, step, args.batch, args.width)
+        for name in (list(models) if step % 2 == 0 else list(models)[::-1]):
+            took = _step(models[name], opts[name], x, y)
+            if step >= args.warmup:
+                times[name].append(took)
+    slowest = torch.tensor([times[name] for name in models], dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    weights = {name: torch.cat([p.detach().reshape(-1) for p in m.module.parameters()]) for name, m in models.items()}
+    diff = (weights["slipstream"] - weights["gloo"]).abs().max().item()
+    close = torch.allclose(weights["slipstream"], weights["gloo"], rtol=1.3e-6, atol=1e-5)
+    if rank == 0:
+        params = weights["gloo"].numel()
+        with open(args.out, "w") as f:
+            json.dump(dict(world_size=dist.get_world_size(), params=params,
+                           times_s={name: slowest[k].tolist() for k, name in enumerate(models)},
+                           max_abs_weight_diff=diff, weights_allclose=close,
+                           weights_equal=bool(torch.equal(weights["slipstream"], weights["gloo"]))), f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()

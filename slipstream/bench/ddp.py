@@ -1,0 +1,123 @@
+"""``slipstream bench ddp``: DDP training, ``init_process_group("slipstream")`` vs gloo.
+
+One row per layout (``--layouts``, default ``2x2@1gbit,1x4``: 2 emulated nodes x 2 ranks over a
+1 Gbit/s link, root needed; then 1 node x 4 ranks on loopback). In each, every rank trains two
+copies of one MLP with plain ``DistributedDataParallel``, one on the slipstream default group
+and one on a gloo group of the same ranks, a step of each in turn (``_ddp_worker.py``).
+
+Columns: steps/s from the median step time of the slowest rank; ratio = slipstream / gloo
+steps/s; weights: both models' weights after the run, ``allclose`` at fp32 tolerance
+(rtol 1.3e-6, atol 1e-5) and the largest difference; link bound: the least time the gradient
+allreduce needs on the link, 2(N-1)/N x gradient bytes / link rate (N nodes; TCP gets at most
+95.6% of it, see ``core_comm/cluster.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import sys
+import tempfile
+
+from slipstream.bench.comm import _machine
+from slipstream.core_comm.cluster import ClusterSpec, launch, parse_rate
+
+__all__ = ["add_arguments", "parse_layout", "run"]
+
+_LAYOUT = re.compile(r"(\d+)x(\d+)(?:@(\S+))?$")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--layouts", default="2x2@1gbit,1x4",
+                        help="NODESxRANKS[@LINK], comma-separated (default 2x2@1gbit,1x4)")
+    parser.add_argument("--width", type=int, default=1024, help="MLP width (default 1024)")
+    parser.add_argument("--depth", type=int, default=4, help="hidden layers (default 4: 4.2 M parameters)")
+    parser.add_argument("--batch", type=int, default=32, help="samples per rank per step (default 32)")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per backend (default 20)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
+    parser.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket_cap_mb (default 25)")
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds before every rank is killed")
+    parser.add_argument("--json", help="write the records (a JSON list) here")
+    parser.add_argument("--markdown", help="write the report (machine, command, table) here")
+
+
+def parse_layout(text: str) -> ClusterSpec:
+    """``"2x2@1gbit"`` -> 2 nodes x 2 ranks, 1 Gbit/s links; ``"1x4"`` -> one node of 4."""
+    m = _LAYOUT.match(text.strip())
+    if not m:
+        raise ValueError(f"not a layout: {text!r} (e.g. 2x2@1gbit, 1x4)")
+    return ClusterSpec(nodes=int(m.group(1)), ranks_per_node=int(m.group(2)), link=m.group(3))
+
+
+def _command(args: argparse.Namespace) -> str:
+    return (f"slipstream bench ddp --layouts {args.layouts} --width {args.width} --depth {args.depth} "
+            f"--batch {args.batch} --steps {args.steps} --warmup {args.warmup} --bucket-mb {args.bucket_mb}")
+
+
+def _record(spec: ClusterSpec, layout: str, raw: dict) -> dict:
+    med = {b: statistics.median(t) for b, t in raw["times_s"].items()}
+    grad_bytes = raw["params"] * 4
+    bound = (2 * (spec.nodes - 1) / spec.nodes * grad_bytes * 8 / parse_rate(spec.link)) if spec.link else None
+    return dict(layout=layout, nodes=spec.nodes, ranks_per_node=spec.ranks_per_node, link=spec.link,
+                params=raw["params"], step_s=med, steps_per_s={b: 1 / t for b, t in med.items()},
+                ratio=med["gloo"] / med["slipstream"], link_bound_s=bound,
+                weights_allclose=raw["weights_allclose"], weights_equal=raw["weights_equal"],
+                max_abs_weight_diff=raw["max_abs_weight_diff"], times_s=raw["times_s"])
+
+
+def _table(records: list[dict]) -> str:
+    rows = ["| layout | params | gloo steps/s | slipstream steps/s | ratio | link bound (ms) | weights |",
+            "|---|---:|---:|---:|---:|---:|---|"]
+    for r in records:
+        bound = f"{r['link_bound_s'] * 1e3:.0f}" if r["link_bound_s"] else "-"
+        same = "equal" if r["weights_equal"] else ("allclose" if r["weights_allclose"] else "DIFFER")
+        rows.append(f"| {r['layout']} | {r['params'] / 1e6:.1f} M | {r['steps_per_s']['gloo']:.2f} | "
+                    f"{r['steps_per_s']['slipstream']:.2f} | {r['ratio']:.2f}x | {bound} | "
+                    f"{same} (max diff {r['max_abs_weight_diff']:.1e}) |")
+    return "\n".join(rows)
+
+
+def _report(records: list[dict], machine: dict, command: str) -> str:
+    m = machine
+    return "\n".join([
+        f"machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB; kernel {m['kernel']}, "
+        f"Python {m['python']}, torch {m['torch']}",
+        f"command: {command}",
+        "steps/s from the median step time of the slowest rank; ratio = slipstream / gloo steps/s",
+        "",
+        _table(records),
+        "",
+    ])
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        layouts = [(text, parse_layout(text)) for text in args.layouts.split(",")]
+    except ValueError as e:
+        raise SystemExit(str(e)) from e
+    if args.steps < 1 or args.warmup < 0:
+        raise SystemExit("--steps must be >= 1 and --warmup >= 0")
+    command = _command(args)
+    sys.stdout.write(command + "\n")
+    records = []
+    with tempfile.TemporaryDirectory(prefix="slipstream-bench-ddp-") as tmp:
+        for text, spec in layouts:
+            out = os.path.join(tmp, "raw.json")
+            worker = ["-m", "slipstream.bench._ddp_worker", "--out", out, "--width", str(args.width),
+                      "--depth", str(args.depth), "--batch", str(args.batch), "--steps", str(args.steps),
+                      "--warmup", str(args.warmup), "--bucket-mb", str(args.bucket_mb)]
+            launch(worker, spec, timeout=args.timeout)
+            with open(out) as f:
+                records.append(_record(spec, text, json.load(f)))
+    report = _report(records, _machine(), command)
+    sys.stdout.write(report)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(records, f, indent=1)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(report)
+    return 0 if all(r["weights_allclose"] for r in records) else 1

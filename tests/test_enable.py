@@ -1,0 +1,92 @@
+"""``slipstream.enable()`` / ``disable()``: registration, the default backend for
+``init_process_group()`` without a backend, configuration from code and from ``SLIPSTREAM_*``,
+and an exact undo. One process, world size 1, on a HashStore."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+
+import slipstream
+from slipstream.core_comm import _backend_registry as registry
+from slipstream.core_comm.backend import SlipstreamProcessGroup
+from slipstream.core_comm.config import CommConfig
+
+
+@pytest.fixture
+def undo():
+    """Whatever a test enables is disabled and every group destroyed afterwards."""
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    slipstream.disable()
+
+
+def _init(backend=None, **kw):
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kw)
+    return dist.group.WORLD
+
+
+def _torch_state():
+    B = dist.Backend
+    tables = {name: registry._copy(getattr(B, name)) for name in registry._TABLES}
+    return B.__dict__.get("SLIPSTREAM"), tables, dist.monitored_barrier, c10d.monitored_barrier
+
+
+def test_import_registers_the_backend_without_changing_defaults():
+    assert "slipstream" in dist.Backend.backend_list
+    assert dist.Backend.default_device_backend_map["cpu"] == "gloo"
+    assert dist.Backend.default_device_backend_map["cuda"] == "nccl"
+    assert dist.monitored_barrier.__wrapped__ is not None  # the shim keeps the original reachable
+
+
+def test_enable_makes_slipstream_the_default_and_disable_restores_exactly(undo):
+    before = _torch_state()
+    slipstream.enable()
+    slipstream.enable()  # idempotent
+    assert slipstream.is_enabled()
+    assert dist.Backend.default_device_backend_map["cpu"] == "slipstream"
+    assert dist.get_default_backend_for_device("cuda") == "nccl"  # CUDA stays on NCCL
+    pg = _init()
+    assert isinstance(pg, SlipstreamProcessGroup)
+    dist.destroy_process_group()
+    slipstream.disable()
+    slipstream.disable()  # a no-op now
+    after = _torch_state()
+    assert after[0] == before[0] and after[1] == before[1]
+    assert after[2] is before[2] and after[3] is before[3]
+    assert not isinstance(_init(), SlipstreamProcessGroup)
+
+
+def test_a_named_backend_is_kept(undo):
+    slipstream.enable()
+    assert not isinstance(_init("gloo"), SlipstreamProcessGroup)
+    assert dist.get_backend() == "gloo"
+
+
+def test_config_from_code_env_and_pg_options(undo, monkeypatch):
+    monkeypatch.setenv("SLIPSTREAM_CHUNK_BYTES", str(1 << 20))
+    assert _init("slipstream")._config == CommConfig(chunk_bytes=1 << 20)  # environment
+    dist.destroy_process_group()
+    slipstream.enable(CommConfig(shm=False))
+    assert _init()._config == CommConfig(shm=False)  # enable(config) wins over the environment
+    dist.destroy_process_group()
+    assert _init(pg_options=CommConfig(debug=True))._config == CommConfig(debug=True)  # per group
+
+
+def test_enable_rejects_what_is_not_a_config():
+    with pytest.raises(TypeError, match="CommConfig"):
+        slipstream.enable({"shm": False})
+    assert not slipstream.is_enabled()
+
+
+def test_single_rank_group_collectives_and_monitored_barrier(undo):
+    pg = _init("slipstream")
+    t = torch.arange(10.0)
+    dist.all_reduce(t)
+    out = torch.empty(10)
+    dist.all_gather_single(out, t)
+    dist.monitored_barrier()  # torch refuses non-gloo names; slipstream's barrier is gloo's
+    assert torch.equal(out, torch.arange(10.0))
+    assert pg.name() == "slipstream" and dist.get_backend() == "slipstream"
+    assert pg.communicator is None  # one rank: nothing to accelerate, nothing built
