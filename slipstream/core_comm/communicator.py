@@ -61,7 +61,9 @@ class Work:
         self._future = future
 
     def wait(self, timeout=None) -> bool:
-        self._future.result()
+        """Block until done; ``timeout`` (seconds or a timedelta) raises TimeoutError."""
+        seconds = timeout.total_seconds() if hasattr(timeout, "total_seconds") else timeout
+        self._future.result(timeout=seconds)
         return True
 
     def is_completed(self) -> bool:
@@ -136,7 +138,9 @@ class Communicator:
             return inter
         from .transport import MultiConnInter  # collective over ``inter``
 
-        return MultiConnInter(inter, connections=self.config.connections, timeout_s=self.config.timeout_s)
+        cfg = self.config
+        ports = range(cfg.port_base, 65536) if cfg.port_base else None
+        return MultiConnInter(inter, connections=cfg.connections, timeout_s=cfg.timeout_s, ports=ports)
 
     def close(self) -> None:
         self._drain()

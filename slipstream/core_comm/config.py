@@ -28,13 +28,17 @@ class CommConfig:
     connections: int = 1
     """TCP connections per inter-node peer (1-16). 1 uses the group's own backend (gloo);
     more split each inter-node message across that many connections (``transport.py``)."""
+    port_base: int = 0
+    """First listening port of the multi-connection transport (each rank takes a free block
+    of ``connections`` ports from here); 0 lets the kernel pick."""
     min_hierarchical_bytes: int = 0
     """Smaller messages across nodes use the stock collective (when no plan decides: a
     tuner's plan, measured or modelled, overrides this for the sizes it covers)."""
     cuda_staging: bool = True
     """Stage CUDA tensors through pinned host memory where the group has no NCCL."""
     timeout_s: float = 300.0
-    """A shared-memory wait longer than this raises (a peer died or called something else)."""
+    """A shared-memory wait, an inter-node transfer of the multi-connection transport or its
+    set-up that makes no progress for this long raises (a peer died or called something else)."""
     debug: bool = False
     """Before every collective, check that all ranks call it with the same size and dtype."""
 
@@ -49,6 +53,8 @@ class CommConfig:
             )
         if not 1 <= self.connections <= 16:
             raise ValueError(f"connections must be between 1 and 16, got {self.connections}")
+        if not 0 <= self.port_base < 65536:
+            raise ValueError(f"port_base must be a port number (or 0), got {self.port_base}")
         if self.min_hierarchical_bytes < 0:
             raise ValueError(f"min_hierarchical_bytes must be >= 0, got {self.min_hierarchical_bytes}")
         if self.timeout_s <= 0:
