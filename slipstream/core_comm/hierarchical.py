@@ -21,8 +21,8 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from ._compat import all_gather_into_tensor, reduce_scatter_tensor
-from .shm import ShmComm
+from ._compat import all_gather_into_tensor
+from .shm import ShmComm, reduce_rows
 from .topology import Topology
 
 __all__ = ["Hierarchical", "InterTransport", "GlooInter"]
@@ -54,7 +54,22 @@ class GlooInter:
         return dist.all_reduce(shard, op=op, group=self.group, async_op=async_op)
 
     def reduce_scatter(self, out, inp, op) -> None:
-        reduce_scatter_tensor(out, inp, op=op, group=self.group)
+        # gloo's reduce-scatter moves as many bytes as an allreduce (measured on the emulated
+        # link: 67 MiB out of a node for a 64 MiB reduce-scatter); a direct exchange sends
+        # each peer exactly the block it owns, (N-1)/N of the input, the least possible.
+        size, me = dist.get_world_size(self.group), dist.get_rank(self.group)
+        blocks = inp.view(size, out.numel())
+        received = torch.empty((size, out.numel()), dtype=inp.dtype)
+        received[me].copy_(blocks[me])
+        ops = []
+        for peer in range(size):
+            if peer != me:
+                global_peer = dist.get_global_rank(self.group, peer)
+                ops.append(dist.P2POp(dist.isend, blocks[peer], global_peer, self.group))
+                ops.append(dist.P2POp(dist.irecv, received[peer], global_peer, self.group))
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        reduce_rows(received, out, op, size)
 
     def all_gather(self, out, inp) -> None:
         all_gather_into_tensor(out, inp, group=self.group)

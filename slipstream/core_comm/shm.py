@@ -41,7 +41,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-__all__ = ["ShmComm", "ShmError", "SUPPORTED_DTYPES", "SUPPORTED_OPS", "is_supported_platform"]
+__all__ = ["ShmComm", "ShmError", "SUPPORTED_DTYPES", "SUPPORTED_OPS", "is_supported_platform", "reduce_rows"]
 
 ReduceOp = dist.ReduceOp
 
@@ -179,7 +179,7 @@ class ShmComm:
             ins, _ = self._acquire_slot(input.dtype)
             ins[self.rank, : w * c].view(w, c).copy_(inp[:, lo:lo + c])
             self._sync()
-            _reduce_rows(ins[:, self.rank * c:(self.rank + 1) * c], flat_out[lo:lo + c], op, w)
+            reduce_rows(ins[:, self.rank * c:(self.rank + 1) * c], flat_out[lo:lo + c], op, w)
             self._release_slot()
         if out is not output:
             output.copy_(out)
@@ -237,7 +237,7 @@ class ShmComm:
         ins, _ = self._acquire_slot(flat.dtype)
         ins[self.rank, :n].copy_(flat)
         self._sync()
-        _reduce_rows(ins[:, :n], flat, op, self.world)
+        reduce_rows(ins[:, :n], flat, op, self.world)
         self._release_slot()
 
     def _all_reduce_large(self, flat: torch.Tensor, op) -> None:
@@ -253,7 +253,7 @@ class ShmComm:
             ins[self.rank, :m].copy_(flat[lo:lo + m])
             self._sync()
             if b > a:
-                _reduce_rows(ins[:, a:b], res[a:b], op, self.world)
+                reduce_rows(ins[:, a:b], res[a:b], op, self.world)
             self._sync()
             flat[lo:lo + m].copy_(res[:m])
             self._release_slot()
@@ -372,7 +372,7 @@ def _split(n: int, parts: int, align: int) -> list[int]:
     return [min(n, i * step) for i in range(parts)] + [n]
 
 
-def _reduce_rows(rows: torch.Tensor, out: torch.Tensor, op, world: int) -> None:
+def reduce_rows(rows: torch.Tensor, out: torch.Tensor, op, world: int) -> None:
     """``out: (m,) = op over rows: (world, m)`` in one torch op; fp16/bf16 sums and
     products accumulate in fp32; integer sums wrap around like gloo's."""
     if op == ReduceOp.MAX:
