@@ -41,6 +41,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import (
     AllgatherOptions,
     AllreduceOptions,
+    BarrierOptions,
     ReduceScatterOptions,
     _create_work_from_future,
 )
@@ -80,6 +81,11 @@ class SlipstreamProcessGroup(dist.ProcessGroup):
         if self._nccl is not None:
             self._register_backend(torch.device("cuda"), BackendType.NCCL, self._nccl)
         self._set_default_backend(BackendType.GLOO)
+        # One gloo round trip now. Without it, the first gloo call made after the core has
+        # built its node subgroups and run a hierarchical collective hung in about half the
+        # runs (2 emulated nodes x 2 ranks, torch 2.13; tests/test_backend.py's 2x2 case); with
+        # it, none did. Group creation is collective anyway (gloo's rendezvous).
+        self._gloo.barrier(BarrierOptions()).wait()
         # the fast path, built on the first call that can use it
         self._comm: Communicator | None = None
 
