@@ -12,12 +12,12 @@ from slipstream.config import SlipstreamConfig  # noqa: E402
 COMM = {"slot_bytes": 4096, "small_bytes": 512, "chunk_bytes": 4096, "timeout_s": 60}
 
 
-def _ds_config(stage, gas=1, section=None):
+def _ds_config(stage, gas=1, section=None, bucket=2000):
     cfg = {
         "train_micro_batch_size_per_gpu": 4,
         "gradient_accumulation_steps": gas,
         "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}},
-        "zero_optimization": {"stage": stage, "reduce_bucket_size": 2000, "allgather_bucket_size": 2000},
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket},
         "zero_force_ds_cpu_optimizer": False,
         "gradient_clipping": 1.0,
         "steps_per_print": 1000,
@@ -39,13 +39,14 @@ def _mlp_batches(rank, n):
         yield torch.randn(4, 32, generator=g), torch.randn(4, 32, generator=g)
 
 
-def _train_mlp(stage, section, steps, gas):
+def _train_mlp(stage, section, steps, gas, hidden=64, bucket=2000):
     import slipstream.deepspeed as sds
 
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 32))
+    model = torch.nn.Sequential(torch.nn.Linear(32, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, 32))
     init = sds.initialize if section is not None else deepspeed.initialize
-    engine, *_ = init(model=model, model_parameters=model.parameters(), config=_ds_config(stage, gas, section))
+    cfg = _ds_config(stage, gas, section, bucket)
+    engine, *_ = init(model=model, model_parameters=model.parameters(), config=cfg)
     losses = []
     for x, y in _mlp_batches(engine.global_rank, steps * gas):
         loss = (engine(x) - y).pow(2).mean()
@@ -55,14 +56,16 @@ def _train_mlp(stage, section, steps, gas):
     return losses, _full_weights(engine)
 
 
-def _parity(rank, world, stage, gas):
+def _parity(rank, world, stage, gas, hidden=64, bucket=2000):
     from slipstream.plugins.deepspeed import installed_backend, uninstall
 
-    stock_losses, stock_w = _train_mlp(stage, None, steps=4, gas=gas)
-    ours_losses, ours_w = _train_mlp(stage, {"enabled": True, "comm": COMM}, steps=4, gas=gas)
+    stock_losses, stock_w = _train_mlp(stage, None, 4, gas, hidden, bucket)
+    ours_losses, ours_w = _train_mlp(stage, {"enabled": True, "comm": COMM}, 4, gas, hidden, bucket)
     backend = installed_backend()
     assert backend is not None and backend._comms, "the slipstream backend was not used"
-    algos = {comm.algorithm(torch.ones(1000))[0] for comm in backend._comms.values()}
+    # The path the gradient buckets took: (hidden+1)*32*2 fp32 elements in one bucket.
+    probe = torch.ones(min(bucket, 64 * hidden))
+    algos = {comm.algorithm(probe)[0] for comm in backend._comms.values()}
     uninstall()
     torch.testing.assert_close(torch.tensor(ours_losses), torch.tensor(stock_losses), rtol=1e-5, atol=1e-6)
     for a, b in zip(ours_w, stock_w):
@@ -81,7 +84,9 @@ def test_zero_stage_matches_stock_deepspeed_losses_and_weights(stage):
 
 
 def test_zero2_on_two_emulated_nodes_with_grad_accumulation_matches_stock():
-    algos = run_ranks(_parity, 4, 2, 2, rank_env=_env(0, 0, 1, 1), timeout=500)
+    # Buckets of 256 KiB: above the size under which the cost model keeps cross-node
+    # messages on the stock collective, so gradients take the hierarchical path.
+    algos = run_ranks(_parity, 4, 2, 2, 1024, 1 << 16, rank_env=_env(0, 0, 1, 1), timeout=500)
     assert algos[0] == ["hierarchical"]
 
 
