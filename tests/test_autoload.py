@@ -1,0 +1,34 @@
+"""enable()'s stack hooks: installed when the stack is imported, without importing it first."""
+
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("deepspeed")
+
+SCRIPT = r"""
+import sys
+from slipstream.plugins import autoload
+autoload.install_hooks()
+autoload.install_hooks()  # idempotent
+assert "deepspeed" not in sys.modules, "installing the hook must not import DeepSpeed"
+import deepspeed
+hooked = deepspeed.initialize
+assert getattr(hooked, "_slipstream_hook", False), "deepspeed.initialize was not hooked on import"
+original = hooked.__wrapped__
+assert not any(type(f).__name__ == "_AfterImport" for f in sys.meta_path), "finder left behind"
+autoload.remove_hooks()
+assert deepspeed.initialize is original
+autoload.install_hooks()  # DeepSpeed already imported: hooked at once
+assert deepspeed.initialize is not original and deepspeed.initialize.__wrapped__ is original
+autoload.remove_hooks()
+assert deepspeed.initialize is original
+print("ok")
+"""
+
+
+def test_deepspeed_is_hooked_on_import_and_restored_exactly():
+    out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().endswith("ok")
