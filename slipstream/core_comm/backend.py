@@ -82,8 +82,8 @@ class SlipstreamProcessGroup(dist.ProcessGroup):
             self._register_backend(torch.device("cuda"), BackendType.NCCL, self._nccl)
         self._set_default_backend(BackendType.GLOO)
         # One gloo round trip now. Without it, the first gloo call made after the core had
-        # built its node subgroups and run a hierarchical collective hung in 5 of 9 runs
-        # (2 emulated nodes x 2 ranks, torch 2.13; a broadcast loop after one allreduce); with
+        # built its node subgroups and run a hierarchical collective hung in 3 of 6 runs
+        # (2 emulated nodes x 2 ranks, torch 2.13; a gloo call loop after one allreduce); with
         # it, 0 of 5. Root cause not found. Group creation is collective anyway (rendezvous).
         self._gloo.barrier(BarrierOptions()).wait()
         # the fast path, built on the first call that can use it
