@@ -129,6 +129,7 @@ def test_flattened_position_ids_alone_define_the_boundaries():
     torch.testing.assert_close(out[0, 5:], ref(input_ids=flat[:, 5:]).logits[0], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 @pytest.mark.parametrize("name", ["llama-tiny", "qwen2-tiny"])
 def test_flex_document_mask_matches_padded_forward_without_grad(name):
     # FlexAttention has no CPU backward; its forward is the path checked here.
