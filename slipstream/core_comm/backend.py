@@ -185,9 +185,9 @@ class SlipstreamProcessGroup(dist.ProcessGroup):
 
     def _communicator(self) -> Communicator:
         if self._comm is None:
-            from .groups import _subgroup  # the cache shares the twin with the core's subgroups
+            from .groups import new_gloo_group
 
-            twin = _subgroup(self._global_ranks, "gloo")
+            twin = new_gloo_group(list(self._global_ranks))
             self._comm = Communicator(twin, config=self._config)
             log.info("slipstream group of ranks %s: communicator over gloo twin; %s",
                      list(self._global_ranks), self._comm.unavailable or "fast paths available")

@@ -120,8 +120,6 @@ class Communicator:
             return f"nodes hold different numbers of ranks {topo.node_sizes}"
         if topo.num_nodes > 1 and group_ranks(self.group) != sorted(group_ranks(self.group)):
             return "the group's ranks are not in global-rank order"
-        if topo.num_nodes > 1 and "gloo" not in str(dist.get_backend(self.group)):
-            return "the group has no gloo backend for the inter-node CPU transport"
         intra, inter = node_subgroups(self.group, topo)
         try:
             if intra is not None:

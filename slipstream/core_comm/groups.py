@@ -1,11 +1,17 @@
-"""Intra-node and inter-node subgroups of a process group, built once and cached.
+"""Intra-node and inter-node subgroups of a process group, one set per communicator.
 
-Subgroups are created with ``use_local_synchronization=True``, so only their members take
-part: a data-parallel group inside a bigger world can build its own without the other
-ranks. Every rank creates its intra-node group first, then its inter-node group; a group's
-members therefore all create it at the same point of that order, which cannot deadlock.
-Such groups are named by a hash of their ranks, so creating the same ranks twice would
-collide: the cache returns the one already made.
+Subgroups are gloo groups (the shared-memory set-up and the inter-node transport move CPU
+tensors, whatever the parent group's backend: gloo, NCCL, or slipstream's own) created with
+``use_local_synchronization=True``, so only their members take part: a data-parallel group
+inside a bigger world builds its own without the other ranks. Every rank creates its
+intra-node group first, then its inter-node group, so a group's members all create it at the
+same point of that order, which cannot deadlock.
+
+Each communicator owns its subgroups. Sharing them between communicators of the same ranks
+was wrong: each communicator runs asynchronous calls on its own thread, and two threads
+driving one gloo group can order their calls differently on different ranks (a hang seen in
+the backend's 2-node tests). torch names such groups by their ranks and its count of groups,
+so a second group of the same ranks gets a name of its own.
 """
 
 from __future__ import annotations
@@ -14,10 +20,9 @@ import torch.distributed as dist
 
 from .topology import Topology
 
-__all__ = ["group_ranks", "node_subgroups"]
+__all__ = ["group_ranks", "new_gloo_group", "node_subgroups"]
 
-# (backend, global ranks) -> group. Entries die with the default group (checked on use).
-_CACHE: dict[tuple[str, tuple[int, ...]], dist.ProcessGroup] = {}
+SUBGROUP_BACKEND = "gloo"
 
 
 def group_ranks(group: dist.ProcessGroup | None) -> list[int]:
@@ -27,38 +32,22 @@ def group_ranks(group: dist.ProcessGroup | None) -> list[int]:
     return dist.get_process_group_ranks(group)
 
 
-def _subgroup(ranks: tuple[int, ...], backend: str) -> dist.ProcessGroup:
-    ranks = tuple(sorted(ranks))  # new_group orders members by global rank
-    key = (backend, ranks)
-    cached = _CACHE.get(key)
-    if cached is not None and cached in dist.distributed_c10d._world.pg_map:
-        return cached
-    pg = dist.new_group(list(ranks), backend=backend, use_local_synchronization=True)
-    _CACHE[key] = pg
-    return pg
-
-
 def node_subgroups(
     group: dist.ProcessGroup | None, topo: Topology
 ) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
-    """``(intra, inter)`` for this rank: the group of its node's ranks (None when it is alone
-    on its node; ``group`` itself when the group is one node) and the group of its peers of
-    the same local index on the other nodes (None on one node; ``group`` itself when every
-    node holds one rank). Collective over ``group``."""
-    group = group if group is not None else dist.group.WORLD
+    """``(intra, inter)`` for this rank: a gloo group of its node's ranks (None when it is
+    alone on its node) and a gloo group of its peers of the same local index on the other
+    nodes (None on one node). Collective over ``group``; needs equal nodes."""
     ranks = group_ranks(group)
-    backend = str(dist.get_backend(group))
-    intra_ranks = tuple(ranks[g] for g in topo.local_ranks)
-    if topo.num_nodes == 1:
-        intra = group if len(ranks) > 1 else None
-    elif len(intra_ranks) == 1:
-        intra = None
-    else:
-        intra = _subgroup(intra_ranks, backend)
-    if topo.num_nodes == 1:
-        inter = None
-    elif topo.local_size == 1:
-        inter = group
-    else:
-        inter = _subgroup(tuple(ranks[g] for g in topo.peers(topo.local_rank)), backend)
+    intra = None
+    if topo.local_size > 1:
+        intra = new_gloo_group([ranks[g] for g in topo.local_ranks])
+    inter = None
+    if topo.num_nodes > 1:
+        inter = new_gloo_group([ranks[g] for g in topo.peers(topo.local_rank)])
     return intra, inter
+
+
+def new_gloo_group(ranks: list[int]) -> dist.ProcessGroup:
+    """A new gloo group of ``ranks`` (global); collective over those ranks only."""
+    return dist.new_group(sorted(ranks), backend=SUBGROUP_BACKEND, use_local_synchronization=True)
