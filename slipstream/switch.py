@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from .core_comm import _backend_registry as registry
 from .core_comm.config import CommConfig
+from .plugins import autoload
 
 __all__ = ["disable", "enable", "is_enabled"]
 
@@ -50,6 +51,9 @@ def enable(config: CommConfig | None = None) -> None:
         _SWITCH.before = registry.snapshot()
     registry.register(config)
     dist.Backend.default_device_backend_map[_DEVICE] = registry.BACKEND
+    # Stacks that name their backend themselves (DeepSpeed) are switched by their adapter,
+    # installed when the stack is imported (now, if it already is).
+    autoload.install_hooks()
 
 
 def disable() -> None:
@@ -57,6 +61,7 @@ def disable() -> None:
     if _SWITCH.before is None:
         return
     registry.restore(_SWITCH.before)
+    autoload.remove_hooks()
     _SWITCH.before = None
 
 

@@ -32,3 +32,21 @@ def test_deepspeed_is_hooked_on_import_and_restored_exactly():
     out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().endswith("ok")
+
+
+ENABLE_SCRIPT = r"""
+import sys, slipstream
+slipstream.enable()
+import deepspeed
+assert getattr(deepspeed.initialize, "_slipstream_hook", False), "enable() did not switch DeepSpeed"
+original = deepspeed.initialize.__wrapped__
+slipstream.disable()
+assert deepspeed.initialize is original
+print("ok")
+"""
+
+
+def test_enable_switches_deepspeed_and_disable_restores_it():
+    out = subprocess.run([sys.executable, "-c", ENABLE_SCRIPT], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().endswith("ok")
