@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from slipstream.core_comm.cluster import ClusterSpec, launch, parse_rate
+from ._output import emit
 
 __all__ = ["add_arguments", "run"]
 
@@ -214,11 +215,5 @@ def run(args: argparse.Namespace) -> int:
             raw = json.load(f)
     records = _records(raw, spec, mem_bw, args)
     report = _report(records, machine, command, spec, mem_bw, load)
-    sys.stdout.write(report)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(records, f, indent=1)
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(report)
+    emit(report, records, args)
     return 0

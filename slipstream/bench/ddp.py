@@ -24,6 +24,7 @@ import tempfile
 
 from slipstream.bench.comm import _machine
 from slipstream.core_comm.cluster import ClusterSpec, launch, parse_rate
+from ._output import emit
 
 __all__ = ["add_arguments", "parse_layout", "run"]
 
@@ -113,11 +114,5 @@ def run(args: argparse.Namespace) -> int:
             with open(out) as f:
                 records.append(_record(spec, text, json.load(f)))
     report = _report(records, _machine(), command)
-    sys.stdout.write(report)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(records, f, indent=1)
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(report)
+    emit(report, records, args)
     return 0 if all(r["weights_allclose"] for r in records) else 1

@@ -26,6 +26,7 @@ import tempfile
 
 from slipstream.bench.comm import _format_size, _machine, parse_size
 from slipstream.core_comm.cluster import ClusterSpec, launch, parse_rate
+from ._output import emit
 
 __all__ = ["add_arguments", "run"]
 
@@ -134,11 +135,5 @@ def run(args: argparse.Namespace) -> int:
             raw = json.load(f)
     records = _records(raw, spec)
     report = _report(records, machine, command, spec)
-    sys.stdout.write(report)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(records, f, indent=1)
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(report)
+    emit(report, records, args)
     return 0

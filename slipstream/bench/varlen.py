@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import platform
 import random
@@ -28,6 +27,7 @@ from typing import Any
 import torch
 
 from slipstream.core_compile import FlattenCollator, VarlenConfig, apply_varlen
+from ._output import emit
 
 __all__ = ["add_arguments", "run"]
 
@@ -246,13 +246,7 @@ def run(args: argparse.Namespace) -> int:
     }
     result["fraction_of_ideal"] = result["achieved_ratio"] / result["ideal_ratio"]
     table = _markdown(result)
-    sys.stdout.write(table)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(table)
+    emit(table, result, args, indent=2)
     return 0
 
 
