@@ -227,7 +227,7 @@ class Communicator:
         algo, _ = self._choose("reduce_scatter", input, op, (output,))
         if algo == "stock":
             return reduce_scatter_tensor(output, input, op=op, group=self.group, async_op=async_op)
-        return self._run(lambda: self._reduce_scatter(algo, output, input, op), async_op)
+        return self._run(lambda: self._resize("reduce_scatter", algo, output, input, op), async_op)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
         """Like ``dist.all_gather_into_tensor``; ``input`` may be a view into ``output``."""
@@ -235,7 +235,7 @@ class Communicator:
         algo, _ = self._choose("all_gather", input, ReduceOp.SUM, (output,))
         if algo == "stock":
             return all_gather_into_tensor(output, input, group=self.group, async_op=async_op)
-        return self._run(lambda: self._all_gather(algo, output, input), async_op)
+        return self._run(lambda: self._resize("all_gather", algo, output, input, None), async_op)
 
     # ---------------------------------------------------------------- execution
 
@@ -271,37 +271,21 @@ class Communicator:
         if work is not tensor:
             tensor.copy_(work)
 
-    def _reduce_scatter(self, algo, output, input, op) -> None:
+    def _resize(self, kind, algo, output, input, op) -> None:
+        """Reduce-scatter or allgather (``kind``): collectives whose output and input differ
+        in size by the world size."""
         if algo == "local":
             output.copy_(input.view_as(output))
-            return
-        if algo == "staged":
+        elif algo == "staged":
             host_out = torch.empty(output.shape, dtype=output.dtype, pin_memory=True)
-            self._reduce_scatter("hierarchical" if self.hier else "shm", host_out,
-                                 self._stager(input.device).to_host(input), op)
+            cpu_algo = "hierarchical" if self.hier else "shm"
+            self._resize(kind, cpu_algo, host_out, self._stager(input.device).to_host(input), op)
             output.copy_(host_out)
         elif algo == "shm":
-            self.shm.reduce_scatter(output, input, op)
+            _invoke(self.shm, kind, output, input, op)
         else:
             out = output if output.is_contiguous() else torch.empty_like(output)
-            self.hier.reduce_scatter(out.view(-1), input.contiguous().view(-1), op)
-            if out is not output:
-                output.copy_(out)
-
-    def _all_gather(self, algo, output, input) -> None:
-        if algo == "local":
-            output.copy_(input.view_as(output))
-            return
-        if algo == "staged":
-            host_out = torch.empty(output.shape, dtype=output.dtype, pin_memory=True)
-            self._all_gather("hierarchical" if self.hier else "shm", host_out,
-                             self._stager(input.device).to_host(input))
-            output.copy_(host_out)
-        elif algo == "shm":
-            self.shm.all_gather(output, input)
-        else:
-            out = output if output.is_contiguous() else torch.empty_like(output)
-            self.hier.all_gather(out.view(-1), input.reshape(-1))
+            _invoke(self.hier, kind, out.view(-1), input.reshape(-1), op)
             if out is not output:
                 output.copy_(out)
 
@@ -309,6 +293,13 @@ class Communicator:
         if device not in self._staging:
             self._staging[device] = CudaStaging(device, self.config.chunk_bytes)
         return self._staging[device]
+
+
+def _invoke(impl, kind: str, output, input, op) -> None:
+    if kind == "reduce_scatter":
+        impl.reduce_scatter(output, input, op)
+    else:
+        impl.all_gather(output, input)
 
 
 def _check_sizes(kind: str, output, input, world: int) -> None:
