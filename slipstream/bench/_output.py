@@ -1,9 +1,21 @@
-"""Where a benchmark's results go: the table to stdout, ``--json`` and ``--markdown`` files."""
+"""What every benchmark report shares: the machine it ran on, and where the results go (the
+table to stdout, ``--json`` and ``--markdown`` files)."""
 
 from __future__ import annotations
 
 import json
+import platform
+import subprocess
 import sys
+
+
+def cpu_model() -> str:
+    """The CPU's model name from ``lscpu`` (else what ``platform`` knows)."""
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
+        return next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or "unknown"
 
 
 def emit(report: str, data, args, *, indent: int = 1) -> None:

@@ -25,7 +25,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,7 +33,7 @@ from typing import Any
 import torch
 
 from slipstream.core_comm.cluster import ClusterSpec, launch, parse_rate
-from ._output import emit
+from ._output import cpu_model, emit
 
 __all__ = ["add_arguments", "run"]
 
@@ -128,12 +127,7 @@ def memory_bandwidth(nbytes: int = 512 << 20, repeats: int = 10) -> float:
 
 
 def _machine() -> dict[str, Any]:
-    cpu = platform.processor() or "unknown"
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
-        cpu = next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
-    except (OSError, StopIteration):
-        pass
+    cpu = cpu_model()
     with open("/proc/meminfo") as f:
         mem_kib = int(next(line.split()[1] for line in f if line.startswith("MemTotal")))
     return {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": round(mem_kib / 2**20, 1),

@@ -19,7 +19,6 @@ import os
 import platform
 import random
 import statistics
-import subprocess
 import sys
 import time
 from typing import Any
@@ -27,7 +26,7 @@ from typing import Any
 import torch
 
 from slipstream.core_compile import FlattenCollator, VarlenConfig, apply_varlen
-from ._output import emit
+from ._output import cpu_model, emit
 
 __all__ = ["add_arguments", "run"]
 
@@ -152,12 +151,7 @@ def _exactness(padded_model, varlen_model, padded, flat, device) -> dict[str, An
 def _environment(device: torch.device, dtype: torch.dtype, threads: int) -> dict[str, Any]:
     import transformers
 
-    cpu = platform.processor() or "unknown"
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=False).stdout
-        cpu = next(line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name"))
-    except (OSError, StopIteration):
-        pass
+    cpu = cpu_model()
     env = {
         "cpu": cpu,
         "cores": torch.multiprocessing.cpu_count(),
