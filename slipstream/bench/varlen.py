@@ -26,6 +26,8 @@ from typing import Any
 import torch
 
 from slipstream.core_compile import FlattenCollator, VarlenConfig, apply_varlen
+from slipstream.recipes.data import pad_batch
+
 from ._output import cpu_model, emit
 
 __all__ = ["add_arguments", "run"]
@@ -58,20 +60,6 @@ def _data(args) -> tuple[list[dict], Any]:
     samples = [s for s in tokenize_alpaca(records, tokenizer, max_length=args.max_length) if s["input_ids"]]
     random.Random(args.seed).shuffle(samples)
     return samples, tokenizer
-
-
-def _padded_batch(samples: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-padded ``(batch, longest)`` input_ids / attention_mask / labels."""
-    longest = max(len(s["input_ids"]) for s in samples)
-    ids = torch.full((len(samples), longest), pad_id, dtype=torch.long)
-    labels = torch.full_like(ids, -100)
-    mask = torch.zeros_like(ids)
-    for i, s in enumerate(samples):
-        n = len(s["input_ids"])
-        ids[i, :n] = torch.tensor(s["input_ids"])
-        labels[i, :n] = torch.tensor(s["labels"])
-        mask[i, :n] = 1
-    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
 def _to(batch: dict, device: torch.device) -> dict:
@@ -182,7 +170,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"need {n_batches * args.batch_size} samples for {n_batches} batches, have {len(samples)}")
     batches = [samples[i * args.batch_size : (i + 1) * args.batch_size] for i in range(n_batches)]
     collate = FlattenCollator()
-    padded = [_to(_padded_batch(b, tokenizer.pad_token_id), device) for b in batches]
+    padded = [_to(pad_batch(b, tokenizer.pad_token_id), device) for b in batches]
     flat = [_to(collate(b), device) for b in batches]
 
     vocab = max(args.vocab_size, len(tokenizer))

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ..core_compile import GradReduction, balance, global_token_count, step_loss
-from .data import generate_alpaca, load_alpaca, tokenize_alpaca
+from .data import generate_alpaca, load_alpaca, pad_batch, tokenize_alpaca
 from .model import build_model
 from .tokenizer import load_tokenizer
 
@@ -71,19 +71,6 @@ def step_micro_batches(samples, step, args, rank, world) -> list[list[dict]]:
     groups = balance(lengths, chosen, world * args.grad_accum)
     mine = groups[rank * args.grad_accum:(rank + 1) * args.grad_accum]
     return [[samples[i] for i in g] for g in mine]
-
-
-def pad(batch: list[dict], pad_id: int) -> dict:
-    width = max(len(s["input_ids"]) for s in batch)
-    ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
-    labels = torch.full((len(batch), width), -100, dtype=torch.long)
-    mask = torch.zeros((len(batch), width), dtype=torch.long)
-    for row, s in enumerate(batch):
-        n = len(s["input_ids"])
-        ids[row, :n] = torch.tensor(s["input_ids"])
-        labels[row, :n] = torch.tensor(s["labels"])
-        mask[row, :n] = 1
-    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
 class CommTimer:
@@ -161,7 +148,7 @@ def train(args) -> dict:
 
 
 def _train_step(engine, samples, step, args, rank, world, reduction, timer, tokenizer) -> dict:
-    micro = [pad(b, tokenizer.pad_token_id) for b in step_micro_batches(samples, step, args, rank, world)]
+    micro = [pad_batch(b, tokenizer.pad_token_id) for b in step_micro_batches(samples, step, args, rank, world)]
     timer.seconds = 0.0
     t0 = time.perf_counter()
     tokens = global_token_count([m["labels"] for m in micro], group=dist.group.WORLD)

@@ -15,11 +15,14 @@ import random
 from pathlib import Path
 from typing import Any, Sequence
 
+import torch
+
 __all__ = [
     "AlpacaFormatError",
     "format_prompt",
     "generate_alpaca",
     "load_alpaca",
+    "pad_batch",
     "tokenize_alpaca",
 ]
 
@@ -134,3 +137,18 @@ def tokenize_alpaca(
             ids, labels = ids[:max_length], labels[:max_length]
         out.append({"input_ids": ids, "labels": labels})
     return out
+
+
+def pad_batch(samples: Sequence[dict], pad_id: int) -> dict:
+    """Right-padded ``(batch, longest)`` int64 ``input_ids`` / ``attention_mask`` / ``labels``
+    (-100 at padding) from :func:`tokenize_alpaca`'s samples."""
+    longest = max(len(s["input_ids"]) for s in samples)
+    ids = torch.full((len(samples), longest), pad_id, dtype=torch.long)
+    labels = torch.full_like(ids, -100)
+    mask = torch.zeros_like(ids)
+    for i, s in enumerate(samples):
+        n = len(s["input_ids"])
+        ids[i, :n] = torch.tensor(s["input_ids"])
+        labels[i, :n] = torch.tensor(s["labels"])
+        mask[i, :n] = 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
