@@ -47,7 +47,7 @@ from torch._C._distributed_c10d import (
 )
 
 from ._backend_registry import BACKEND
-from .communicator import Communicator
+from .communicator import Communicator, as_torch_future
 from .config import CommConfig
 from .shm import ShmComm
 
@@ -227,17 +227,7 @@ def _launch(run, outputs: list, opts):
         run(False)
         fut.set_result(outputs)
         return _create_work_from_future(fut)
-    handle = run(True)
-
-    def done(cf) -> None:
-        error = cf.exception()
-        if error is not None:
-            fut.set_exception(error)
-        else:
-            fut.set_result(outputs)
-
-    handle.get_future().add_done_callback(done)
-    return _create_work_from_future(fut)
+    return _create_work_from_future(as_torch_future(run(True), outputs))
 
 
 def _gloo(store, rank, size, timeout, global_ranks, group_name) -> dist.ProcessGroupGloo:

@@ -30,7 +30,7 @@ from .shm import ShmComm, ShmError, is_supported_platform
 from .staging import CudaStaging
 from .topology import Topology, detect_topology
 
-__all__ = ["Choice", "Communicator", "Plan", "Work"]
+__all__ = ["Choice", "Communicator", "Plan", "Work", "as_torch_future"]
 
 log = logging.getLogger("slipstream.comm")
 ReduceOp = dist.ReduceOp
@@ -293,6 +293,24 @@ class Communicator:
         if device not in self._staging:
             self._staging[device] = CudaStaging(device, self.config.chunk_bytes)
         return self._staging[device]
+
+
+def as_torch_future(work, value) -> torch.futures.Future:
+    """A ``torch.futures.Future`` that completes with ``value`` (or the call's error) when
+    ``work`` does: an async call's handle, the core's ``Work`` or the stock collective's."""
+    if isinstance(work, dist.Work):
+        return work.get_future().then(lambda _: value)
+    result: torch.futures.Future = torch.futures.Future()
+
+    def done(cf) -> None:
+        error = cf.exception()
+        if error is not None:
+            result.set_exception(error)
+        else:
+            result.set_result(value)
+
+    work.get_future().add_done_callback(done)
+    return result
 
 
 def _invoke(impl, kind: str, output, input, op) -> None:

@@ -17,6 +17,7 @@ so this module does not use postponed annotations.
 import torch
 import torch.distributed as dist
 
+from .communicator import as_torch_future
 from .config import CommConfig
 
 __all__ = ["DDPHookState", "ddp_hook"]
@@ -73,16 +74,4 @@ def ddp_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tenso
     buffer = bucket.buffer()
     buffer.div_(comm.world)
     work = comm.all_reduce(buffer, dist.ReduceOp.SUM, async_op=True)
-    if isinstance(work, dist.Work):  # the stock collective
-        return work.get_future().then(lambda fut: fut.value()[0])
-    result: torch.futures.Future = torch.futures.Future()
-
-    def done(cf) -> None:
-        error = cf.exception()
-        if error is not None:
-            result.set_exception(error)
-        else:
-            result.set_result(buffer)
-
-    work.get_future().add_done_callback(done)
-    return result
+    return as_torch_future(work, buffer)
