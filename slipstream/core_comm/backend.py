@@ -41,7 +41,6 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import (
     AllgatherOptions,
     AllreduceOptions,
-    BarrierOptions,
     ReduceScatterOptions,
     _create_work_from_future,
 )
@@ -81,11 +80,6 @@ class SlipstreamProcessGroup(dist.ProcessGroup):
         if self._nccl is not None:
             self._register_backend(torch.device("cuda"), BackendType.NCCL, self._nccl)
         self._set_default_backend(BackendType.GLOO)
-        # One gloo round trip now. Without it, the first gloo call made after the core had
-        # built its node subgroups and run a hierarchical collective hung in 3 of 6 runs
-        # (2 emulated nodes x 2 ranks, torch 2.13; a gloo call loop after one allreduce); with
-        # it, 0 of 5. Root cause not found. Group creation is collective anyway (rendezvous).
-        self._gloo.barrier(BarrierOptions()).wait()
         # the fast path, built on the first call that can use it
         self._comm: Communicator | None = None
 
@@ -138,6 +132,58 @@ class SlipstreamProcessGroup(dist.ProcessGroup):
     _allgather_base = all_gather_single
     _reduce_scatter_base = reduce_scatter_single
 
+    # ---------------------------------------------------------------- delegated collectives
+    #
+    # torch's C++ trampoline for a Python ProcessGroup (``WORK_OVERRIDE`` in
+    # PyProcessGroup.hpp, torch 2.13) looks for a Python override with the GIL held and, when
+    # there is none, calls the C++ ProcessGroup method *still holding the GIL*. Gloo's enqueue
+    # then takes its work mutex, while a gloo worker thread that holds that mutex may be
+    # destroying a finished work whose tensors have Python objects, which needs the GIL: a
+    # deadlock (py-spy, 2026-11-21: main thread in ProcessGroupGloo::enqueue, worker in
+    # ~AsyncAllgatherWork -> decref_pyobject waiting for the GIL; about 1 run in 4 of
+    # tests/test_backend.py). Every method the trampoline covers is therefore defined here,
+    # and calls the stock backend through its Python binding, which releases the GIL.
+
+    def allgather(self, *args, **kwargs):
+        return self._stock(_first_tensor(args, kwargs)).allgather(*args, **kwargs)
+
+    def allreduce_coalesced(self, *args, **kwargs):
+        return self._stock(_first_tensor(args, kwargs)).allreduce_coalesced(*args, **kwargs)
+
+    def all_to_all_single(self, *args, **kwargs):
+        return self._stock(_first_tensor(args, kwargs)).alltoall_base(*args, **kwargs)
+
+    def barrier(self, *args, **kwargs):
+        return self._gloo.barrier(*args, **kwargs)  # torch's own barrier runs on the default backend
+
+    def broadcast(self, *args, **kwargs):
+        return self._stock(_first_tensor(args, kwargs)).broadcast(*args, **kwargs)
+
+    def reduce_scatter(self, *args, **kwargs):
+        return self._stock(_first_tensor(args, kwargs)).reduce_scatter(*args, **kwargs)
+
+    def send(self, *args, **kwargs):
+        return self._stock(_first_tensor(args, kwargs)).send(*args, **kwargs)
+
+    def recv(self, *args, **kwargs):
+        return self._stock(_first_tensor(args, kwargs)).recv(*args, **kwargs)
+
+    def all_gather_single_coalesced(self, outputs, inputs, opts=AllgatherOptions()):
+        """Coalesced ``all_gather_into_tensor``: one ``all_gather_single`` per pair (the stock
+        backends' bindings do not expose the coalesced form)."""
+        opts = _as_opts(opts, AllgatherOptions)
+        return _all_of([self.all_gather_single(o, i, opts) for o, i in zip(outputs, inputs)], outputs)
+
+    def reduce_scatter_single_coalesced(self, outputs, inputs, opts=ReduceScatterOptions()):
+        """Coalesced ``reduce_scatter_tensor``: one ``reduce_scatter_single`` per pair."""
+        opts = _as_opts(opts, ReduceScatterOptions)
+        return _all_of([self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs)], outputs)
+
+    # the names torch < 2.13 looks for
+    alltoall_base = all_to_all_single
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
     # ---------------------------------------------------------------- life cycle
 
     def shutdown(self) -> None:
@@ -150,9 +196,9 @@ class SlipstreamProcessGroup(dist.ProcessGroup):
 
     # ---------------------------------------------------------------- routing
 
-    def _stock(self, tensor: torch.Tensor):
-        """The stock backend for ``tensor``'s device (gloo when there is no NCCL)."""
-        if tensor.device.type == "cuda" and self._nccl is not None:
+    def _stock(self, tensor: torch.Tensor | None):
+        """The stock backend for ``tensor``'s device (gloo when there is no NCCL or no tensor)."""
+        if tensor is not None and tensor.device.type == "cuda" and self._nccl is not None:
             return self._nccl
         return self._gloo
 
@@ -208,6 +254,24 @@ def _as_opts(opts, kind):
     made = kind()
     made.reduceOp = opts
     return made
+
+
+def _first_tensor(args, kwargs=None) -> torch.Tensor | None:
+    """The first tensor in a call's arguments (lists searched), which picks the device."""
+    for arg in (*args, *(kwargs or {}).values()):
+        if isinstance(arg, torch.Tensor):
+            return arg
+        if isinstance(arg, (list, tuple)):
+            found = _first_tensor(arg)
+            if found is not None:
+                return found
+    return None
+
+
+def _all_of(works: list, outputs: list):
+    """One ``Work`` that completes when every work in ``works`` has; its value is ``outputs``."""
+    done = torch.futures.collect_all([w.get_future() for w in works])
+    return _create_work_from_future(done.then(lambda _: outputs))
 
 
 def _fits(output: torch.Tensor, input: torch.Tensor, size: int, *, gather: bool) -> bool:
