@@ -4,7 +4,8 @@ It picks an algorithm per call from the size, dtype, device and op of the tensor
 topology of the group:
 
     local         the group has one rank
-    shm           one node: shared-memory CPU-Reduce
+    shm           one node: shared-memory CPU-Reduce, or from ``cma.MIN_BYTES`` on the ranks'
+                  own tensors through cross-memory attach where the kernel allows it
     hierarchical  several nodes of equal size: shared memory inside, stock backend across
     staged        CUDA tensors on a group without NCCL: pinned host memory, then the above
     stock         everything else: the group's own collective, with a debug log line saying why
@@ -23,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ._compat import all_gather_into_tensor, reduce_scatter_tensor
+from .cma import MIN_BYTES as CMA_MIN_BYTES, CmaComm
 from .config import CommConfig
 from .groups import group_ranks, node_subgroups
 from .hierarchical import Hierarchical
@@ -78,7 +80,7 @@ class Communicator:
 
     __slots__ = (
         "group", "config", "plan", "rank", "world", "topology",
-        "shm", "hier", "unavailable",  # built algorithms, and why the others are not
+        "shm", "cma", "hier", "unavailable",  # built algorithms, and why the others are not
         "_staging", "_executor", "_last",
     )
 
@@ -97,6 +99,7 @@ class Communicator:
         self.world = dist.get_world_size(group)
         self.topology = topology if topology is not None else detect_topology(group)
         self.shm: ShmComm | None = None
+        self.cma: CmaComm | None = None
         self.hier: Hierarchical | None = None
         self.unavailable = self._build()
         self._staging: dict = {}
@@ -127,6 +130,11 @@ class Communicator:
                                    timeout=cfg.timeout_s)
         except ShmError as e:
             return f"shared memory could not be set up: {e}"
+        if inter is None and cfg.cma:
+            try:
+                self.cma = CmaComm(self.shm)
+            except ShmError as e:  # the same on every rank: all keep the shared-memory path
+                log.debug("slipstream: no cross-memory attach on this node: %s", e)
         if inter is not None:
             self.hier = Hierarchical(topo, self.shm, self._inter_transport(inter), chunk_bytes=cfg.chunk_bytes)
         return ""
@@ -146,6 +154,7 @@ class Communicator:
             self._executor.shutdown()
         if self.shm is not None:
             self.shm.close()
+        self.cma = None
         inter = self.hier.inter if self.hier is not None else None
         if hasattr(inter, "close"):  # a multi-connection transport's sockets and threads
             inter.close()
@@ -254,9 +263,13 @@ class Communicator:
             self._last.result()
             self._last = None
 
+    def _intra(self, nbytes: int):
+        """The one-node implementation for a message of ``nbytes``: the same on every rank."""
+        return self.cma if self.cma is not None and nbytes >= CMA_MIN_BYTES else self.shm
+
     def _cpu_all_reduce(self, flat: torch.Tensor, op, chunk_bytes: int | None) -> None:
         if self.hier is None:
-            self.shm.all_reduce(flat, op)
+            self._intra(flat.numel() * flat.element_size()).all_reduce(flat, op)
         else:
             self.hier.all_reduce(flat, op, chunk_bytes=chunk_bytes)
 
@@ -282,7 +295,7 @@ class Communicator:
             self._resize(kind, cpu_algo, host_out, self._stager(input.device).to_host(input), op)
             output.copy_(host_out)
         elif algo == "shm":
-            _invoke(self.shm, kind, output, input, op)
+            _invoke(self._intra(input.numel() * input.element_size()), kind, output, input, op)
         else:
             out = output if output.is_contiguous() else torch.empty_like(output)
             _invoke(self.hier, kind, out.view(-1), input.reshape(-1), op)

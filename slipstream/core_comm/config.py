@@ -17,6 +17,10 @@ class CommConfig:
 
     shm: bool = True
     """Use shared memory among the ranks of one node."""
+    cma: bool = True
+    """On one node, large messages move between the ranks' own tensors by cross-memory
+    attach (``process_vm_readv``/``writev``) instead of through shared memory, where the
+    kernel allows it (probed once at set-up)."""
     hierarchical: bool = True
     """Across nodes: shared memory inside, the stock backend across, pipelined."""
     slot_bytes: int = 1 << 20

@@ -3,7 +3,8 @@ POSIX shared memory.
 
 Layout of the one segment a group shares (created by group rank 0)::
 
-    control: world x 64 bytes        per rank, one cache line: step, seq, kind, numel, dtype, op, pid
+    control: world x 64 bytes        per rank, one cache line: step, seq, kind, numel, dtype, op, pid,
+                                     and the address of the buffer peers access in place (cma.py)
     inputs:  world x 2 x slot_bytes  per rank, two slots (double buffering)
     results: 2 x slot_bytes          the reduced chunk; rank r writes only its slice r
 
@@ -52,11 +53,13 @@ SUPPORTED_DTYPES = (
 _DTYPE_CODE = {dt: i + 1 for i, dt in enumerate(SUPPORTED_DTYPES)}
 SUPPORTED_OPS = (ReduceOp.SUM, ReduceOp.AVG, ReduceOp.PRODUCT, ReduceOp.MAX, ReduceOp.MIN)
 _OP_CODE = {op: i + 1 for i, op in enumerate(SUPPORTED_OPS)}
-_KIND_CODE = {"all_reduce": 1, "reduce_scatter": 2, "all_gather": 3}
+_KIND_CODE = {"all_reduce": 1, "reduce_scatter": 2, "all_gather": 3,
+              "cma_all_reduce": 4, "cma_reduce_scatter": 5, "cma_all_gather": 6}
 
 _LINE = 64  # bytes of one control line; also the alignment of slots and slices
-_STEP, _SEQ, _KIND, _NUMEL, _DTYPE, _OP, _PID = range(7)
+_STEP, _SEQ, _KIND, _NUMEL, _DTYPE, _OP, _PID, _ADDR = range(8)
 _LINE_WORDS = _LINE // 8
+_ABORTED = -1  # the seq of a rank that failed a call begun with ``start``
 
 
 class ShmError(RuntimeError):
@@ -213,6 +216,26 @@ class ShmComm:
         if out is not output:
             output.copy_(out)
 
+    def start(self, kind: str, t: torch.Tensor, op, addr: int) -> np.ndarray:
+        """Begin a call whose peers access this rank's buffer at ``addr`` in place (cma.py):
+        publish it, synchronise, and return every rank's address, ``(world,) int64``."""
+        self._check(t, op)
+        self._begin(kind, t, op)
+        self._ctrl[self.rank, _ADDR] = addr
+        self._sync()
+        return self._ctrl[:, _ADDR].copy()
+
+    def finish(self, failed: bool = False) -> None:
+        """End a call begun with ``start``: wait until every rank gets here, as peers may
+        write into this rank's buffer until then. A rank whose part failed comes too, with
+        ``failed``, and then every rank raises ``ShmError`` instead of returning."""
+        if failed:
+            self._ctrl[self.rank, _SEQ] = _ABORTED
+        self._sync()
+        aborted = np.flatnonzero(self._ctrl[:, _SEQ] == _ABORTED)
+        if aborted.size:
+            self.fail(f"local rank {int(aborted[0])} failed during collective #{self._seq}")
+
     def close(self) -> None:
         self._broken = self._broken or "closed"
         # Drop every view so the mapping can close.
@@ -325,9 +348,9 @@ class ShmComm:
         for r in late:
             pid = int(self._ctrl[r, _PID])
             if _process_gone(pid):
-                self._fail(f"local rank {r} (pid {pid}) died during a collective")
+                self.fail(f"local rank {r} (pid {pid}) died during a collective")
         if waited > self.timeout:
-            self._fail(
+            self.fail(
                 f"timed out after {waited:.0f}s waiting for local ranks {late}: are all ranks "
                 "calling the same collective with the same tensor size, dtype and device? "
                 "(SLIPSTREAM_DEBUG=1 checks this before every collective)"
@@ -343,12 +366,13 @@ class ShmComm:
         bad = np.flatnonzero(same_call & (fields != mine[_KIND:_OP + 1]).any(axis=1))
         if bad.size:
             r = int(bad[0])
-            self._fail(
+            self.fail(
                 f"collective #{self._seq} differs between ranks: local rank {self.rank} runs "
                 f"{_describe(mine[_KIND:])}, local rank {r} runs {_describe(fields[r])}"
             )
 
-    def _fail(self, why: str) -> None:
+    def fail(self, why: str) -> None:
+        """Mark the communicator unusable and raise ``ShmError(why)``."""
         self._broken = why
         raise ShmError(why)
 
