@@ -137,13 +137,16 @@ def _communicator(rank, world, enabled, refuse_on):
 
     if rank in refuse_on:
         cma._readv = _refuse
-    logged = []
+    logged, took = [], []
     log = logging.getLogger("slipstream.comm")
     log.setLevel(logging.DEBUG)
     log.addHandler(handler := logging.Handler())
     handler.emit = lambda record: logged.append(record.getMessage())
+    for kind in ("all_reduce", "reduce_scatter", "all_gather"):
+        original = getattr(CmaComm, kind)
+        setattr(CmaComm, kind, lambda self, *a, _f=original, _k=kind: (took.append(_k), _f(self, *a))[1])
     comm = Communicator(config=CommConfig(cma=enabled, timeout_s=60))
-    for n in [1000, (cma.MIN_BYTES // 4) * 3 + 7]:  # below and above the threshold
+    for n in [1000, cma.MIN_BYTES["all_gather"] // (4 * world) + 7]:  # below and above every threshold
         x = _data(rank, n, n, torch.float32, R.SUM)
         ref = _gloo(x, R.SUM, world)
         comm.all_reduce(x)
@@ -152,9 +155,12 @@ def _communicator(rank, world, enabled, refuse_on):
         rs = torch.empty(n)
         comm.reduce_scatter(rs, full)
         _close(rs, _gloo(full, R.SUM, world, "reduce_scatter"))
-    uses_cma = comm.cma is not None
+        ag, ag_ref = torch.empty(n * world), torch.empty(n * world)
+        all_gather_into_tensor(ag_ref, x)
+        comm.all_gather(ag, x)
+        assert torch.equal(ag, ag_ref)
     comm.close()
-    return uses_cma, any("cross-memory" in m and "Operation not permitted" in m for m in logged)
+    return took, any("cross-memory" in m and "Operation not permitted" in m for m in logged)
 
 
 def _refuse(*args):
@@ -167,9 +173,10 @@ def _refuse(*args):
     (False, (), False),  # SLIPSTREAM_CMA=0
     (True, (1,), False),  # one rank refused: every rank keeps the shared-memory path
 ])
-def test_communicator_uses_cma_only_where_every_rank_can(enabled, refuse_on, uses_cma):
+def test_communicator_takes_cma_for_large_messages_only_where_every_rank_can(enabled, refuse_on, uses_cma):
+    took = ["all_reduce", "reduce_scatter", "all_gather"] if uses_cma else []  # only the large ones
     refused = bool(refuse_on)  # then every rank logs why, at debug level
-    assert run_ranks(_communicator, 3, enabled, refuse_on, timeout=120) == [(uses_cma, refused)] * 3
+    assert run_ranks(_communicator, 3, enabled, refuse_on, timeout=120) == [(took, refused)] * 3
 
 
 def _probe_refused(rank, world):

@@ -263,13 +263,14 @@ class Communicator:
             self._last.result()
             self._last = None
 
-    def _intra(self, nbytes: int):
-        """The one-node implementation for a message of ``nbytes``: the same on every rank."""
-        return self.cma if self.cma is not None and nbytes >= CMA_MIN_BYTES else self.shm
+    def _intra(self, kind: str, nbytes: int):
+        """The one-node implementation of ``kind`` for a buffer of ``nbytes`` (the larger of
+        output and input): the same on every rank."""
+        return self.cma if self.cma is not None and nbytes >= CMA_MIN_BYTES[kind] else self.shm
 
     def _cpu_all_reduce(self, flat: torch.Tensor, op, chunk_bytes: int | None) -> None:
         if self.hier is None:
-            self._intra(flat.numel() * flat.element_size()).all_reduce(flat, op)
+            self._intra("all_reduce", flat.numel() * flat.element_size()).all_reduce(flat, op)
         else:
             self.hier.all_reduce(flat, op, chunk_bytes=chunk_bytes)
 
@@ -295,7 +296,8 @@ class Communicator:
             self._resize(kind, cpu_algo, host_out, self._stager(input.device).to_host(input), op)
             output.copy_(host_out)
         elif algo == "shm":
-            _invoke(self._intra(input.numel() * input.element_size()), kind, output, input, op)
+            big = max(input.numel(), output.numel()) * input.element_size()
+            _invoke(self._intra(kind, big), kind, output, input, op)
         else:
             out = output if output.is_contiguous() else torch.empty_like(output)
             _invoke(self.hier, kind, out.view(-1), input.reshape(-1), op)
