@@ -1,0 +1,127 @@
+"""The pipelined hierarchical reduce-scatter and allgather against gloo, for every chunk size,
+on (override-emulated) 2 x 2, 3 x 1 and 2 x 1 nodes, and on one node."""
+
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from _dist import run_ranks
+from slipstream.core_comm import CommConfig, Communicator
+from slipstream.core_comm._compat import all_gather_into_tensor, reduce_scatter_tensor
+from slipstream.core_comm.hierarchical import Hierarchical, _rows, _select
+from slipstream.core_comm.shm import ShmComm
+from slipstream.core_comm.topology import Topology
+
+R = dist.ReduceOp
+OPS = {torch.float32: (R.SUM, R.MAX, R.AVG), torch.bfloat16: (R.SUM, R.AVG), torch.int64: (R.SUM, R.MAX)}
+BLOCKS = (0, 1, 7, 37)  # elements per rank's block: empty, one, primes
+# Bytes per chunk: one column per chunk, a few columns (37 does not divide), one chunk.
+CHUNKS = (1, 100, 1 << 20)
+CONFIG = CommConfig(slot_bytes=4096, small_bytes=512, chunk_bytes=2048, timeout_s=60)
+
+
+def _nodes(*node_of):
+    return [{"SLIPSTREAM_NODE": str(n)} for n in node_of]
+
+
+def _data(rank, seed, n, dtype):
+    # Small integers: every sum is exact in every dtype and order, so results compare exactly.
+    g = torch.Generator().manual_seed(seed * 100 + rank)
+    return torch.randint(-8, 9, (n,), generator=g).to(dtype)
+
+
+def _gloo_reduce_scatter(full, n, op, world):
+    ref = torch.empty(n, dtype=full.dtype)
+    reduce_scatter_tensor(ref, full.clone(), op=R.SUM if op == R.AVG else op)
+    return (ref.double() / world).to(full.dtype) if op == R.AVG else ref
+
+
+def _check_against_gloo(hier, rank, world):
+    """Every (dtype, op, block size, chunk size) of ``hier``'s reduce-scatter and allgather:
+    exactly the one-chunk result, and gloo's."""
+    seed = 0
+    for dtype, ops in OPS.items():
+        for n in BLOCKS:
+            seed += 1
+            for op in ops:
+                full = _data(rank, seed, n * world, dtype)
+                ref = _gloo_reduce_scatter(full, n, op, world)
+                results = []
+                for chunk in CHUNKS:
+                    out = torch.empty(n, dtype=dtype)
+                    hier.reduce_scatter(out, full, op, chunk_bytes=chunk)
+                    results.append(out)
+                for chunk, out in zip(CHUNKS, results):
+                    assert torch.equal(out, results[-1]), (dtype, op, n, chunk)
+                if op == R.AVG:
+                    torch.testing.assert_close(results[-1], ref, rtol=1e-2, atol=1e-6)
+                else:
+                    assert torch.equal(results[-1], ref), (dtype, op, n)
+            piece = _data(rank, seed + 1000, n, dtype)
+            ref = torch.empty(n * world, dtype=dtype)
+            all_gather_into_tensor(ref, piece)
+            for chunk in CHUNKS:
+                out = torch.full((n * world,), 99, dtype=dtype)
+                hier.all_gather(out, piece, chunk_bytes=chunk)
+                assert torch.equal(out, ref), (dtype, n, chunk)
+                # FSDP2 gathers from a view into the output.
+                out = torch.zeros(n * world, dtype=dtype)
+                out.view(world, n)[rank].copy_(piece)
+                hier.all_gather(out, out.view(world, n)[rank], chunk_bytes=chunk)
+                assert torch.equal(out, ref), (dtype, n, chunk, "input inside output")
+    return True
+
+
+def _on_nodes(rank, world, connections):
+    comm = Communicator(None, config=dataclasses.replace(CONFIG, connections=connections))
+    assert comm.hier is not None, comm.unavailable
+    try:
+        return _check_against_gloo(comm.hier, rank, world)
+    finally:
+        comm.close()
+
+
+@pytest.mark.parametrize(
+    "node_of",
+    [
+        (0, 0, 1, 1),  # 2 nodes x 2 ranks
+        (0, 1, 0, 1),  # ranks of a node not consecutive: blocks regroup by local index
+        (0, 1, 2),     # 3 nodes x 1 rank: no shared memory, three peers
+        (0, 1),        # 2 nodes x 1 rank
+    ],
+)
+def test_pipelined_reduce_scatter_and_allgather_match_gloo(node_of):
+    run_ranks(_on_nodes, len(node_of), 1, rank_env=_nodes(*node_of), timeout=120)
+
+
+def test_pipelined_reduce_scatter_and_allgather_match_gloo_over_two_connections():
+    # The multi-connection transport's asynchronous reduce-scatter and allgather.
+    run_ranks(_on_nodes, 4, 2, rank_env=_nodes(0, 0, 1, 1), timeout=120)
+
+
+def _on_one_node(rank, world):
+    # Every rank on one node: the inter-node group of each rank is itself alone.
+    inter = [dist.new_group([r]) for r in range(world)][rank]
+    shm = ShmComm(None, slot_bytes=4096, small_bytes=512, timeout=60)
+    try:
+        return _check_against_gloo(Hierarchical(Topology((0,) * world, rank), shm, inter), rank, world)
+    finally:
+        shm.close()
+
+
+def test_pipelined_reduce_scatter_and_allgather_on_one_node_match_gloo():
+    run_ranks(_on_one_node, 2, timeout=120)
+
+
+def test_node_rows_are_views_when_evenly_spaced_and_an_index_otherwise():
+    blocks = torch.arange(24.0).view(6, 4)
+    for ranks in [(0, 1, 2), (1, 3, 5), (4,)]:
+        rows = _rows(ranks)
+        assert isinstance(rows, slice)
+        view = _select(blocks, rows, slice(1, 3))
+        assert view.data_ptr() == blocks[ranks[0], 1].data_ptr()
+        assert torch.equal(view, blocks[list(ranks)][:, 1:3])
+    rows = _rows((0, 1, 3))
+    assert torch.equal(_select(blocks, rows, slice(1, 3)), blocks[[0, 1, 3]][:, 1:3])
