@@ -23,8 +23,14 @@ into this rank's row of its output and from there into the same row of every pee
 
 Writing the results (step 2) rather than letting each rank read them after a second
 barrier: a 64 MiB fp32 allreduce on 1 node x 4 ranks (2-core KVM Xeon, chrt -f 10) took
-49 ms against 60-63 ms reading them, 86-94 ms for gloo. The kernel copies pages at about
-6 GB/s when it reads them from DRAM but at 11 GB/s when it writes from a source in cache.
+48-52 ms against 60-69 ms reading them, 86-94 ms for gloo (benchmarks/results/comm_xeon-*).
+The kernel copies pages at 4-6 GB/s when it reads them from DRAM but at 11 GB/s when it
+writes from a source in cache.
+
+Failures: a rank whose copy fails (the peer died: ESRCH) marks its call aborted and still
+waits at step 3, since peers may be writing into its tensor; then every rank raises
+``ShmError``. A rank that dies is noticed by the others' waits; a survivor may then return
+while another survivor, within the chunk it is on, still writes into its tensor.
 
 The kernel allows these calls only to a process that may ptrace the peer (same uid and
 Yama's ptrace_scope, or CAP_SYS_PTRACE), and container runtimes' seccomp filters may refuse
