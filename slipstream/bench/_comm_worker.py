@@ -4,7 +4,10 @@ For each op and size: run slipstream and the stock collective once on the same i
 input and require identical results (small integers sum exactly in every dtype and order, so
 any difference is a bug, not rounding), warm both up, then time them alternating (which goes
 first flips every iteration). An iteration's time is the slowest rank's, from a barrier to the
-end of the collective. Rank 0 writes the raw times as JSON to ``--out``.
+end of the collective; below 4 MiB an iteration runs the collective back to back several times
+(at most 50, as nccl-tests' ``iters`` do) and counts the mean, so that the skew of ranks
+leaving the barrier (a few hundred microseconds with 4 ranks on 2 cores) does not swamp a
+latency of that order. Rank 0 writes the raw times as JSON to ``--out``.
 """
 
 from __future__ import annotations
@@ -68,12 +71,24 @@ def _algorithm(case: _Case, impl: str) -> str:
     return f"{algorithm}: {why}" if why else algorithm
 
 
+_REP_BYTES, _MAX_REPS = 4 << 20, 50
+
+
+def _reps(case: _Case) -> int:
+    """Back-to-back calls per timed iteration: about 4 MiB of full buffers, 1 to 50 calls."""
+    nbytes = max(case.inp.numel(), case.out.numel()) * case.inp.element_size()
+    return max(1, min(_MAX_REPS, _REP_BYTES // max(1, nbytes)))
+
+
 def _timed(case: _Case, impl: str) -> float:
+    """Seconds per call. Repeated in-place sums may overflow to inf: a timing, not a result."""
+    reps = _reps(case)
     case.inp.copy_(case.source)
     dist.barrier()
     start = time.perf_counter()
-    case.run(impl)
-    return time.perf_counter() - start
+    for _ in range(reps):
+        case.run(impl)
+    return (time.perf_counter() - start) / reps
 
 
 def _check(case: _Case, impls: list[str], op: str, nbytes: int) -> None:
