@@ -11,6 +11,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import socket
+import time
 import traceback
 from datetime import timedelta
 from typing import Any, Callable, Sequence
@@ -83,12 +84,7 @@ def run_ranks(
         procs.append(p)
     results: dict[int, tuple[bool, Any]] = {}
     try:
-        for _ in range(world_size):
-            try:
-                rank, ok, value = queue.get(timeout=timeout)
-            except Exception:  # queue.Empty: some rank hung or died without reporting
-                break
-            results[rank] = (ok, value)
+        _collect(queue, procs, results, timeout)
     finally:
         for p in procs:
             p.join(timeout=5)
@@ -106,3 +102,19 @@ def run_ranks(
         ok, value = results.get(r, (False, f"no result (exit code {procs[r].exitcode})"))
         out.append(value if ok else Exception(value))
     return out
+
+
+def _collect(queue, procs, results: dict, timeout: float) -> None:
+    """Fill ``results`` from the ranks' reports until every rank reported, every rank that
+    did not has exited (killed, crashed), or ``timeout`` seconds passed (a hang)."""
+    deadline = time.monotonic() + timeout
+    while len(results) < len(procs) and time.monotonic() < deadline:
+        silent_exited = all(procs[r].exitcode is not None for r in range(len(procs)) if r not in results)
+        try:
+            # A rank that exited has flushed its report into the pipe: a short wait drains it.
+            rank, ok, value = queue.get(timeout=1.0 if silent_exited else 0.5)
+        except Exception:  # queue.Empty
+            if silent_exited:
+                return
+            continue
+        results[rank] = (ok, value)
