@@ -29,45 +29,32 @@ that per-connection rate limits keyed on ports (the emulated cluster's) see one 
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import os
-import queue
-import secrets
 import socket
 import struct
-import threading
 import weakref
 from concurrent.futures import Future
 from functools import partial
-from typing import Callable, Mapping, Sequence
+from typing import Mapping
 
 import torch
 import torch.distributed as dist
+
+from ._tcp import _DTYPES, TransportError, _connect, _Lanes, _Step, _Work
+from ._tcp import _listen  # noqa: F401 - reached as transport._listen (tests)
 
 __all__ = ["MultiConnInter", "TransportError", "endpoint_from_env"]
 
 ReduceOp = dist.ReduceOp
 _REDUCE = {ReduceOp.SUM: torch.add, ReduceOp.PRODUCT: torch.mul,
            ReduceOp.MAX: torch.maximum, ReduceOp.MIN: torch.minimum}
-_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16,
-           torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
-_KINDS = ("all_reduce", "reduce_scatter", "all_gather")
-_MAGIC = b"SLPT"
-_HEADER = struct.Struct("<4sBBHQQQ")  # magic, kind, dtype, step, call, numel, piece bytes
-_HELLO = struct.Struct("<4s16sII")  # magic, set-up token, group rank, lane
-# The socket timeout bounds each sendall; slicing makes it bound a stall, not a whole message.
-_SEND_SLICE = 4 << 20
 _SIOCGIFADDR = 0x8915
 # Lanes per step: at most one per 64 KiB. Handing a piece to a lane thread costs more than a
 # small piece gains: splitting over all 4 lanes ran a 16 KiB allreduce at 0.38x the speed of
 # K=1 and a 64 KiB one at 0.86x, a 256 KiB one at 3.2x (2 emulated nodes, 1gbit link,
 # 250mbit per connection; benchmarks/results/transport_xeon-2core-kvm_2026-11-21.md).
 _MIN_PIECE = 64 << 10
-
-
-class TransportError(RuntimeError):
-    """A peer died, stalled past ``timeout_s``, or called a different collective."""
 
 
 def endpoint_from_env(environ: Mapping[str, str] = os.environ) -> tuple[str, range | None]:
@@ -92,213 +79,9 @@ def endpoint_from_env(environ: Mapping[str, str] = os.environ) -> tuple[str, ran
     return address, range(int(base), 65536)
 
 
-class _Call:
-    """One collective in flight: its header fields and the lanes still running it."""
-
-    __slots__ = ("seq", "kind", "dtype", "numel", "future", "_left", "_lock")
-
-    def __init__(self, seq: int, kind: int, dtype: int, numel: int, lanes: int) -> None:
-        self.seq, self.kind, self.dtype, self.numel = seq, kind, dtype, numel
-        self.future: Future = Future()
-        self._left = lanes
-        self._lock = threading.Lock()
-
-    def describe(self) -> str:
-        return f"{_KINDS[self.kind]} #{self.seq} of {self.numel} {_DTYPES[self.dtype]}"
-
-    def lane_done(self, error: BaseException | None) -> None:
-        with self._lock:
-            self._left -= 1
-            if self.future.done():
-                return
-            if error is not None:
-                self.future.set_exception(error)
-            elif self._left == 0:
-                self.future.set_result(None)
-
-
-class _Work:
-    """Handle of an asynchronous call, like torch.distributed's ``Work``."""
-
-    __slots__ = ("_future",)
-
-    def __init__(self, future: Future) -> None:
-        self._future = future
-
-    def wait(self, timeout=None) -> bool:
-        self._future.result()
-        return True
-
-    def is_completed(self) -> bool:
-        return self._future.done()
-
-    def get_future(self) -> Future:
-        return self._future
-
-
-# A lane's share of one step: send a piece, receive one, then run ``post`` (reduce, copy).
-_Step = tuple[torch.Tensor, torch.Tensor, Callable[[], object] | None]
-
-
-class _Lanes:
-    """The sockets and threads: per lane, the connection(s) and two threads. Owns no tensors
-    beyond the calls in flight; closed by ``close()`` or at exit (``weakref.finalize``)."""
-
-    __slots__ = ("send_socks", "recv_socks", "listeners", "peers", "timeout_s", "error", "closed",
-                 "_pid", "_lock", "_seq", "_work", "_recvs", "_threads")
-
-    def __init__(self, send_socks, recv_socks, listeners, peers: tuple[str, str], timeout_s: float) -> None:
-        self.send_socks: list[socket.socket] = send_socks
-        self.recv_socks: list[socket.socket] = recv_socks
-        self.listeners: list[socket.socket] = listeners
-        self.peers = peers  # (right, left): whom we send to, whom we receive from
-        self.timeout_s = timeout_s
-        self.error: BaseException | None = None  # the first failure; breaks the transport
-        self.closed = False
-        self._pid = os.getpid()  # a forked child (a DataLoader worker) must not shut our sockets
-        self._lock = threading.Lock()
-        self._seq = 0
-        self._work = [queue.SimpleQueue() for _ in send_socks]
-        self._recvs = [queue.SimpleQueue() for _ in send_socks]
-        self._threads = []
-        for c in range(len(send_socks)):
-            for name, target in (("lane", self._lane), ("recv", self._receiver)):
-                t = threading.Thread(target=target, args=(c,), name=f"slipstream-{name}-{c}", daemon=True)
-                t.start()
-                self._threads.append(t)
-
-    def submit(self, kind: str, tensor: torch.Tensor, programs: Sequence[list[_Step]]) -> _Work:
-        with self._lock:
-            if self.error is not None or self.closed:
-                raise TransportError(f"the transport is unusable: {self.error or 'it was closed'}")
-            call = _Call(self._seq, _KINDS.index(kind), _DTYPES.index(tensor.dtype), tensor.numel(),
-                         len(programs))
-            self._seq += 1
-            for c, steps in enumerate(programs):
-                self._work[c].put((call, steps))
-        return _Work(call.future)
-
-    def fail(self, error: BaseException) -> None:
-        """Record the first error and shut every socket, so that blocked lanes wake up."""
-        with self._lock:
-            if self.error is None:
-                self.error = error
-        for s in {*self.send_socks, *self.recv_socks}:
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-
-    def close(self) -> None:
-        if self.closed:
-            return
-        if os.getpid() != self._pid:  # shutdown() would cut the parent's connections too
-            self.closed = True
-            for s in {*self.send_socks, *self.recv_socks, *self.listeners}:
-                s.close()
-            return
-        with self._lock:
-            self.closed = True
-        self.fail(TransportError("the transport was closed"))
-        for q in (*self._work, *self._recvs):
-            q.put(None)
-        for t in self._threads:
-            if t is not threading.current_thread():
-                t.join(timeout=5)
-        for s in {*self.send_socks, *self.recv_socks, *self.listeners}:
-            s.close()
-
-    # ------------------------------------------------------------ threads
-
-    def _lane(self, c: int) -> None:
-        while (task := self._work[c].get()) is not None:
-            call, steps = task
-            try:
-                for i, (send, recv, post) in enumerate(steps):
-                    if self.error is not None:
-                        raise self.error
-                    view, sock, done = _bytes(send), self.send_socks[c], threading.Event()
-                    # The header goes out before this step's receive may start: a receiver that
-                    # finds a mismatch and shuts the sockets has sent the peer its header first.
-                    sock.sendall(_HEADER.pack(_MAGIC, call.kind, call.dtype, i, call.seq, call.numel, view.nbytes))
-                    job = [call, i, recv, done, None]
-                    self._recvs[c].put(job)
-                    for lo in range(0, view.nbytes, _SEND_SLICE):
-                        sock.sendall(view[lo:lo + _SEND_SLICE])
-                    done.wait()
-                    if job[4] is not None:
-                        raise job[4]
-                    if post is not None:
-                        post()
-            except BaseException as e:  # noqa: BLE001 - reported through the call's handle
-                self.fail(self._explain(e, c, call, "sending to", self.peers[0]))
-                call.lane_done(self.error)
-            else:
-                call.lane_done(None)
-
-    def _receiver(self, c: int) -> None:
-        header = bytearray(_HEADER.size)
-        while (job := self._recvs[c].get()) is not None:
-            call, step, piece, done = job[:4]
-            try:
-                if self.error is not None:
-                    raise self.error
-                view = _bytes(piece)
-                _recv_exact(self.recv_socks[c], memoryview(header))
-                magic, *got = _HEADER.unpack(header)
-                want = [call.kind, call.dtype, step, call.seq, call.numel, view.nbytes]
-                if magic != _MAGIC or got != want:
-                    raise TransportError(self._mismatch(magic, got, call))
-                _recv_exact(self.recv_socks[c], view)
-            except BaseException as e:  # noqa: BLE001 - handed to the lane that waits
-                job[4] = self._explain(e, c, call, "receiving from", self.peers[1])
-                self.fail(job[4])
-            done.set()
-
-    # ------------------------------------------------------------ messages
-
-    def _explain(self, e: BaseException, c: int, call: _Call, doing: str, peer: str) -> BaseException:
-        if self.error is not None:
-            return self.error  # a consequence of the first failure: report that one
-        if isinstance(e, TransportError):
-            return e
-        where = f"{doing} {peer} on connection {c} during {call.describe()}"
-        if isinstance(e, (socket.timeout, TimeoutError)):
-            return TransportError(f"no progress {where} for {self.timeout_s:g} s (timeout_s): the peer "
-                                  "has died, hangs, or has not called the same collective")
-        if isinstance(e, (EOFError, ConnectionError)):
-            return TransportError(f"connection lost {where} ({e or 'closed by the peer'}): "
-                                  "the peer process has probably exited or failed")
-        return TransportError(f"error {where}: {e!r}")
-
-    def _mismatch(self, magic: bytes, got: list, call: _Call) -> str:
-        peer = self.peers[1]
-        if magic != _MAGIC:
-            return f"{peer} sent bytes that are not a slipstream header during {call.describe()}"
-        kind, dtype, _, seq, numel, _ = got
-        theirs = (f"{_KINDS[kind] if kind < len(_KINDS) else kind} #{seq} of {numel} "
-                  f"{_DTYPES[dtype] if dtype < len(_DTYPES) else dtype}")
-        return (f"collective mismatch with {peer}: it called {theirs}, this rank called "
-                f"{call.describe()}; every peer must call the same collectives in the same order "
-                "with the same sizes and dtypes")
-
-
-def _bytes(t: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor, no copy (numpy has no bfloat16: view as uint8)."""
-    return memoryview(t.detach().view(torch.uint8).numpy())
-
-
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     a0, b0 = a.data_ptr(), b.data_ptr()
     return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
-
-
-def _recv_exact(sock: socket.socket, view: memoryview) -> None:
-    while view.nbytes:
-        n = sock.recv_into(view)
-        if n == 0:
-            raise EOFError("closed by the peer")
-        view = view[n:]
 
 
 def _split(lo: int, hi: int, parts: int) -> list[tuple[int, int]]:
@@ -313,93 +96,6 @@ def _finished(async_op: bool) -> _Work | None:
     future: Future = Future()
     future.set_result(None)
     return _Work(future)
-
-
-def _connect(group, rank: int, size: int, k: int, timeout_s: float, address: str,
-             ports: range | None) -> _Lanes:
-    """K connections to each ring neighbour; collective over ``group``. With 2 peers, rank 0
-    listens and rank 1 connects, and each connection carries both directions; with more,
-    every rank listens for its left neighbour and connects to its right one."""
-    listens, connects = size > 2 or rank == 0, size > 2 or rank == 1
-    listeners = _listen(address, ports, k, timeout_s) if listens else []
-    token = secrets.token_bytes(16)
-    every: list = [None] * size
-    dist.all_gather_object(every, (address, [s.getsockname()[1] for s in listeners], token), group=group)
-    right, left = (rank + 1) % size, (rank - 1) % size
-    opened: list[socket.socket] = []
-    try:
-        if connects:
-            addr, their_ports, their_token = every[right]
-            for c, port in enumerate(their_ports):
-                opened.append(socket.create_connection((addr, port), timeout=timeout_s))
-                opened[-1].sendall(_HELLO.pack(_MAGIC, their_token, rank, c))
-        for c, listener in enumerate(listeners):
-            opened.append(_accept(listener, left, c, token, timeout_s))
-    except BaseException:
-        for s in (*opened, *listeners):
-            s.close()
-        raise
-    for s in opened:
-        s.settimeout(timeout_s)
-        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    out, inc = (opened[:k], opened[k:]) if connects else ([], opened)
-    peers = (f"group rank {right} ({every[right][0]})", f"group rank {left} ({every[left][0]})")
-    # The listeners stay open while the transport lives, so that its ports stay its own.
-    return _Lanes(out or inc, inc or out, listeners, peers, timeout_s)
-
-
-def _listen(address: str, ports: range | None, k: int, timeout_s: float) -> list[socket.socket]:
-    """K listening sockets. With ``ports``, global rank g takes the first block of K free ports
-    at ``ports[(j*W + g)*K:]``, j = 0, 1, ... (W the world size): blocks of different ranks
-    never overlap, so every connection of the job has a port of its own, and a second
-    transport of the same process moves on to its next block."""
-    if ports is None:
-        return _bind_all(address, [0] * k, timeout_s)
-    g, world, busy = dist.get_rank(), dist.get_world_size(), None
-    for start in range(g * k, len(ports) - k + 1, world * k):
-        try:
-            return _bind_all(address, ports[start:start + k], timeout_s)
-        except OSError as e:
-            if e.errno != errno.EADDRINUSE:
-                raise TransportError(f"cannot listen on {address}: {e}") from None
-            busy = e
-    raise TransportError(f"no {k} free ports for global rank {g} in {ports} (blocks of {k} from index "
-                         f"{g * k}, every {world * k}): {busy or 'the range is too short'}")
-
-
-def _bind_all(address: str, ports: Sequence[int], timeout_s: float) -> list[socket.socket]:
-    listeners: list[socket.socket] = []
-    try:
-        for port in ports:
-            listeners.append(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
-            listeners[-1].setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            listeners[-1].bind((address, port))
-            listeners[-1].listen(1)
-            listeners[-1].settimeout(timeout_s)
-    except BaseException:
-        for sock in listeners:
-            sock.close()
-        raise
-    return listeners
-
-
-def _accept(listener: socket.socket, peer: int, c: int, token: bytes, timeout_s: float) -> socket.socket:
-    where = f"{':'.join(map(str, listener.getsockname()))} (connection {c})"
-    try:
-        conn, _ = listener.accept()
-    except socket.timeout:
-        raise TransportError(f"group rank {peer} did not connect to {where} within {timeout_s:g} s") from None
-    conn.settimeout(timeout_s)
-    hello = bytearray(_HELLO.size)
-    try:
-        _recv_exact(conn, memoryview(hello))
-    except (OSError, EOFError) as e:
-        conn.close()
-        raise TransportError(f"the connection to {where} sent no greeting ({e})") from None
-    if _HELLO.unpack(hello) != (_MAGIC, token, peer, c):
-        conn.close()
-        raise TransportError(f"an unexpected connection reached {where}: not group rank {peer} of this set-up")
-    return conn
 
 
 class MultiConnInter:
