@@ -12,10 +12,13 @@ for CUDA tensors, both built from the group's store. Three collectives go throug
     reduce_scatter_single ``dist.reduce_scatter_single`` / ``reduce_scatter_tensor``
                           (torch < 2.13: ``_reduce_scatter_base``)
 
-Everything else (broadcast, barrier, send/recv, all_to_all, gather/scatter, list all-gather
-and reduce-scatter, the object collectives built on them, coalesced calls, monitored_barrier)
-is torch's own ``ProcessGroup`` code dispatching to the stock backends registered on the
-group, so it behaves exactly as with ``"cpu:gloo,cuda:nccl"``. So does an accelerated call
+The coalesced forms of the last two (``allgather_into_tensor_coalesced``,
+``reduce_scatter_tensor_coalesced``) make one such call per tensor pair. Everything else
+(broadcast, barrier, send/recv, all_to_all, gather/scatter, list all-gather and
+reduce-scatter, the object collectives built on them, allreduce_coalesced, monitored_barrier)
+goes to the stock backend registered for the tensors' device, so it behaves exactly as with
+``"cpu:gloo,cuda:nccl"`` (see "delegated collectives" below for why the methods torch's
+trampoline covers are spelled out here). So does an accelerated call
 that the core refuses: several tensors, a per-call timeout, AVG or PREMUL_SUM (gloo rejects
 them; so do we), an unsupported dtype or device, a size the plan routes to the stock path,
 CUDA tensors where NCCL exists.
