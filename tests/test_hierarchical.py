@@ -10,7 +10,7 @@ import torch.distributed as dist
 from _dist import run_ranks
 from slipstream.core_comm import CommConfig, Communicator
 from slipstream.core_comm._compat import all_gather_into_tensor, reduce_scatter_tensor
-from slipstream.core_comm.hierarchical import Hierarchical, _rows, _select
+from slipstream.core_comm.hierarchical import Hierarchical, _ramped, _rows, _select
 from slipstream.core_comm.shm import ShmComm
 from slipstream.core_comm.topology import Topology
 
@@ -125,3 +125,16 @@ def test_node_rows_are_views_when_evenly_spaced_and_an_index_otherwise():
         assert torch.equal(view, blocks[list(ranks)][:, 1:3])
     rows = _rows((0, 1, 3))
     assert torch.equal(_select(blocks, rows, slice(1, 3)), blocks[[0, 1, 3]][:, 1:3])
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 7, 100, 1 << 20, (1 << 22) + 6, (1 << 22) + 7, 1 << 24])
+def test_ramped_chunks_partition_the_buffer(n):
+    step, unit = 1 << 20, 2
+    bounds = _ramped(n, step, unit)
+    assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))  # contiguous
+    assert (bounds[0][0], bounds[-1][1]) == (0, n) if n else bounds == []
+    sizes = [hi - lo for lo, hi in bounds]
+    assert all(0 < s < step + unit for s in sizes)
+    assert all(s % unit == 0 for s in sizes[:-1])
+    if n >= 4 * step:  # big buffers start and end small
+        assert sizes[:2] == [step // 4, step // 2] and sizes[-2:] == [step // 2, step // 4 + n % unit]
