@@ -49,7 +49,7 @@ import secrets
 import torch
 import torch.distributed as dist
 
-from .shm import ShmComm, ShmError, _split
+from .shm import ShmComm, ShmError, _check_sizes, _split
 
 __all__ = ["CmaComm", "MIN_BYTES", "read_peer", "write_peer"]
 
@@ -150,7 +150,7 @@ class CmaComm:
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op=ReduceOp.SUM) -> None:
         """``output: (n,)`` on rank r gets the reduction of ``input.view(world, n)[r]``."""
         n, r = output.numel(), self.shm.rank
-        _check_sizes("reduce_scatter", input.numel(), n * self.shm.world, output, input)
+        _check_sizes("reduce_scatter", output, input, self.shm.world)
         if n == 0:
             return
         src = input.reshape(-1) if input.is_contiguous() else input.contiguous().view(-1)
@@ -167,7 +167,7 @@ class CmaComm:
         """``output: (world * n,)`` gets every rank's ``input: (n,)`` in rank order;
         ``input`` may be this rank's row of ``output`` (FSDP2 does this)."""
         n, r = input.numel(), self.shm.rank
-        _check_sizes("all_gather", output.numel(), n * self.shm.world, output, input)
+        _check_sizes("all_gather", output, input, self.shm.world)
         if n == 0:
             return
         src = input.reshape(-1) if input.is_contiguous() else input.contiguous().view(-1)
@@ -279,9 +279,3 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether the bytes of contiguous ``a`` and ``b`` overlap."""
     a0, b0 = a.data_ptr(), b.data_ptr()
     return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
-
-
-def _check_sizes(kind: str, have: int, want: int, output: torch.Tensor, input: torch.Tensor) -> None:
-    if have != want or output.dtype != input.dtype:
-        raise ValueError(f"{kind}: output {tuple(output.shape)} {output.dtype} and input "
-                         f"{tuple(input.shape)} {input.dtype} differ by other than the world size")

@@ -28,7 +28,7 @@ from .cma import MIN_BYTES as CMA_MIN_BYTES, CmaComm
 from .config import CommConfig
 from .groups import group_ranks, node_subgroups
 from .hierarchical import Hierarchical
-from .shm import ShmComm, ShmError, is_supported_platform
+from .shm import ShmComm, ShmError, _check_sizes, is_supported_platform
 from .staging import CudaStaging
 from .topology import Topology, detect_topology
 
@@ -333,14 +333,3 @@ def _invoke(impl, kind: str, output, input, op) -> None:
         impl.reduce_scatter(output, input, op)
     else:
         impl.all_gather(output, input)
-
-
-def _check_sizes(kind: str, output, input, world: int) -> None:
-    """``output`` holds ``world`` blocks of ``input``'s size (allgather) or the reverse."""
-    big, small = (output, input) if kind == "all_gather" else (input, output)
-    if big.numel() != small.numel() * world or output.dtype != input.dtype:
-        raise ValueError(
-            f"{kind}: output {tuple(output.shape)} {output.dtype} and input {tuple(input.shape)} "
-            f"{input.dtype}: expected the {'output' if big is output else 'input'} to hold "
-            f"world_size ({world}) times the elements of the other, of the same dtype"
-        )

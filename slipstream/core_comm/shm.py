@@ -142,12 +142,8 @@ class ShmComm:
         """``output: (n,)`` on rank r gets the reduction of ``input.view(world, n)[r]``."""
         self._check(input, op)
         self._check(output, op)
+        _check_sizes("reduce_scatter", output, input, self.world)
         n, w = output.numel(), self.world
-        if input.numel() != n * w or output.dtype != input.dtype:
-            raise ValueError(
-                f"reduce_scatter: input has {input.numel()} {input.dtype} elements, expected "
-                f"world_size ({w}) x output ({n}) of {output.dtype}"
-            )
         inp = input.reshape(w, n)
         out = output if output.is_contiguous() else torch.empty_like(output)
         flat_out = out.view(-1)
@@ -171,12 +167,8 @@ class ShmComm:
         """
         self._check(input, ReduceOp.SUM)
         self._check(output, ReduceOp.SUM)
+        _check_sizes("all_gather", output, input, self.world)
         n = input.numel()
-        if output.numel() != n * self.world or output.dtype != input.dtype:
-            raise ValueError(
-                f"all_gather: output has {output.numel()} {output.dtype} elements, expected "
-                f"world_size ({self.world}) x input ({n}) of {input.dtype}"
-            )
         out = output if output.is_contiguous() else torch.empty_like(output)
         rows = out.view(self.world, n)
         src = input.reshape(-1)
@@ -367,6 +359,17 @@ def _split(n: int, parts: int, align: int) -> list[int]:
     step = -(-n // parts)
     step = -(-step // align) * align
     return [min(n, i * step) for i in range(parts)] + [n]
+
+
+def _check_sizes(kind: str, output: torch.Tensor, input: torch.Tensor, world: int) -> None:
+    """``output`` holds ``world`` blocks of ``input``'s size (allgather) or the reverse."""
+    big, small = (output, input) if kind == "all_gather" else (input, output)
+    if big.numel() != small.numel() * world or output.dtype != input.dtype:
+        raise ValueError(
+            f"{kind}: output {tuple(output.shape)} {output.dtype} and input {tuple(input.shape)} "
+            f"{input.dtype}: expected the {'output' if big is output else 'input'} to hold "
+            f"world_size ({world}) times the elements of the other, of the same dtype"
+        )
 
 
 def reduce_rows(rows: torch.Tensor, out: torch.Tensor, op, world: int) -> None:
