@@ -28,10 +28,15 @@ print("ok")
 """
 
 
-def test_deepspeed_is_hooked_on_import_and_restored_exactly():
-    out = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=300)
+def _run_ok(script: str) -> None:
+    """Run ``script`` in a fresh interpreter (DeepSpeed not yet imported); it must print ok."""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().endswith("ok")
+
+
+def test_deepspeed_is_hooked_on_import_and_restored_exactly():
+    _run_ok(SCRIPT)
 
 
 ENABLE_SCRIPT = r"""
@@ -47,6 +52,4 @@ print("ok")
 
 
 def test_enable_switches_deepspeed_and_disable_restores_it():
-    out = subprocess.run([sys.executable, "-c", ENABLE_SCRIPT], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.strip().endswith("ok")
+    _run_ok(ENABLE_SCRIPT)
