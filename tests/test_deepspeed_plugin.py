@@ -221,3 +221,40 @@ def test_tuned_bucket_sizes_fill_only_what_the_user_left_unset():
     assert out["zero_optimization"] == {"stage": 2, "reduce_bucket_size": 123, "allgather_bucket_size": 456}
     assert user["zero_optimization"] == {"stage": 2, "reduce_bucket_size": 123}  # not mutated
     assert bucket_defaults(out, rec) is out  # nothing left to fill
+
+
+class _Accelerator:
+    def __init__(self, name):
+        self.name = name
+
+    def device_name(self):
+        return self.name
+
+
+@pytest.mark.parametrize("device,zero,expected", [
+    ("cuda", {"stage": 2}, False),  # overlap_comm is off by default below stage 3
+    ("cuda", {"stage": 2, "overlap_comm": True}, True),
+    ("cuda", {"stage": 3}, True),
+    ("cuda", {"stage": 3, "overlap_comm": False}, False),
+    ("cpu", {"stage": 3, "overlap_comm": True}, False),  # no streams: every collective blocks
+])
+def test_tuned_buckets_only_where_deepspeed_overlaps_comm(monkeypatch, device, zero, expected):
+    import deepspeed.accelerator
+
+    from slipstream.plugins.deepspeed import engine
+
+    class _Plan:
+        from slipstream.core_comm.tuner import BucketSizes
+
+        buckets = BucketSizes()
+
+    class _Backend:
+        def communicator(self, group):
+            return type("C", (), {"plan": _Plan})()
+
+    monkeypatch.setattr(deepspeed.accelerator, "get_accelerator", lambda: _Accelerator(device))
+    got = engine._recommended_buckets(_Backend(), {"zero_optimization": zero})
+    assert engine._overlaps_comm({"zero_optimization": zero}) is expected
+    assert (got == {}) is not expected
+    if expected:
+        assert got["reduce_bucket_size"] == (16 << 20) // 4

@@ -82,6 +82,13 @@ class CommTimer:
     def __init__(self, backend) -> None:
         self.backend = backend
         self.seconds = 0.0
+        self.by_op: dict[str, list[float]] = {}  # op -> [calls, seconds], over the whole run
+
+    def add(self, name: str, seconds: float) -> None:
+        self.seconds += seconds
+        entry = self.by_op.setdefault(name, [0, 0.0])
+        entry[0] += 1
+        entry[1] += seconds
 
     def __getattr__(self, name):
         attr = getattr(self.backend, name)
@@ -91,20 +98,20 @@ class CommTimer:
         def timed(*args, **kwargs):
             t0 = time.perf_counter()
             handle = attr(*args, **kwargs)
-            self.seconds += time.perf_counter() - t0
-            return _TimedHandle(handle, self) if handle is not None and hasattr(handle, "wait") else handle
+            self.add(name, time.perf_counter() - t0)
+            return _TimedHandle(handle, self, name) if handle is not None and hasattr(handle, "wait") else handle
 
         return timed
 
 
 class _TimedHandle:
-    def __init__(self, handle, timer) -> None:
-        self._handle, self._timer = handle, timer
+    def __init__(self, handle, timer, name) -> None:
+        self._handle, self._timer, self._name = handle, timer, name
 
     def wait(self, *args, **kwargs):
         t0 = time.perf_counter()
         out = self._handle.wait(*args, **kwargs)
-        self._timer.seconds += time.perf_counter() - t0
+        self._timer.add(self._name + ".wait", time.perf_counter() - t0)
         return out
 
     def __getattr__(self, name):
@@ -144,7 +151,8 @@ def train(args) -> dict:
     engine.save_checkpoint(str(ckpt), tag=f"step{args.steps}")
     peak = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0])
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    return _summary(args, records, float(peak), ckpt)
+    return {**_summary(args, records, float(peak), ckpt),
+            "comm_by_op": {op: {"calls": n, "seconds": t} for op, (n, t) in sorted(timer.by_op.items())}}
 
 
 def _train_step(engine, samples, step, args, rank, world, reduction, timer, tokenizer) -> dict:

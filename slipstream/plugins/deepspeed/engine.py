@@ -99,10 +99,27 @@ def _init_distributed(params) -> None:
 
 def _recommended_buckets(backend, ds_config: dict) -> dict:
     """ZeRO bucket sizes the tuner recommends for the world group's topology, in elements of
-    the training dtype (2 bytes under bf16/fp16, else 4)."""
+    the training dtype (2 bytes under bf16/fp16, else 4); none where DeepSpeed cannot overlap
+    the collectives with compute."""
+    if not _overlaps_comm(ds_config):
+        # Each collective then blocks the step and waits for the slowest rank: the fewest,
+        # largest buckets (DeepSpeed's own defaults) are fastest. Smaller tuned buckets were
+        # 10% slower a step on 2 emulated nodes (benchmarks/results/finetune_*.md).
+        log.info("slipstream: ZeRO buckets left at DeepSpeed's sizes (no comm/compute overlap here)")
+        return {}
     half = any(ds_config.get(k, {}).get("enabled", False) for k in ("bf16", "fp16"))
     plan = backend.communicator(None).plan
     return plan.buckets.deepspeed_config(element_size=2 if half else 4)["zero_optimization"]
+
+
+def _overlaps_comm(ds_config: dict) -> bool:
+    """Whether ZeRO runs its collectives beside compute: ``overlap_comm`` on (DeepSpeed's
+    default: on for stage 3 only) and an accelerator with streams (the CPU one has none)."""
+    from deepspeed.accelerator import get_accelerator
+
+    zero = ds_config.get("zero_optimization", {})
+    overlap = zero.get("overlap_comm", zero.get("stage", 0) == 3)
+    return bool(overlap) and get_accelerator().device_name() != "cpu"
 
 
 def install() -> None:
