@@ -223,14 +223,6 @@ def test_tuned_bucket_sizes_fill_only_what_the_user_left_unset():
     assert bucket_defaults(out, rec) is out  # nothing left to fill
 
 
-class _Accelerator:
-    def __init__(self, name):
-        self.name = name
-
-    def device_name(self):
-        return self.name
-
-
 @pytest.mark.parametrize("device,zero,expected", [
     ("cuda", {"stage": 2}, False),  # overlap_comm is off by default below stage 3
     ("cuda", {"stage": 2, "overlap_comm": True}, True),
@@ -239,22 +231,17 @@ class _Accelerator:
     ("cpu", {"stage": 3, "overlap_comm": True}, False),  # no streams: every collective blocks
 ])
 def test_tuned_buckets_only_where_deepspeed_overlaps_comm(monkeypatch, device, zero, expected):
+    from types import SimpleNamespace
+
     import deepspeed.accelerator
 
+    from slipstream.core_comm.tuner import BucketSizes
     from slipstream.plugins.deepspeed import engine
 
-    class _Plan:
-        from slipstream.core_comm.tuner import BucketSizes
-
-        buckets = BucketSizes()
-
-    class _Backend:
-        def communicator(self, group):
-            return type("C", (), {"plan": _Plan})()
-
-    monkeypatch.setattr(deepspeed.accelerator, "get_accelerator", lambda: _Accelerator(device))
-    got = engine._recommended_buckets(_Backend(), {"zero_optimization": zero})
-    assert engine._overlaps_comm({"zero_optimization": zero}) is expected
-    assert (got == {}) is not expected
-    if expected:
-        assert got["reduce_bucket_size"] == (16 << 20) // 4
+    accelerator = SimpleNamespace(device_name=lambda: device)
+    monkeypatch.setattr(deepspeed.accelerator, "get_accelerator", lambda: accelerator)
+    backend = SimpleNamespace(communicator=lambda group: SimpleNamespace(plan=SimpleNamespace(buckets=BucketSizes())))
+    ds_config = {"zero_optimization": zero}
+    got = engine._recommended_buckets(backend, ds_config)
+    assert engine._overlaps_comm(ds_config) is expected
+    assert got == (BucketSizes().deepspeed_config(element_size=4)["zero_optimization"] if expected else {})
