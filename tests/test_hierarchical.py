@@ -10,7 +10,7 @@ import torch.distributed as dist
 from _dist import run_ranks
 from slipstream.core_comm import CommConfig, Communicator
 from slipstream.core_comm._compat import all_gather_into_tensor, reduce_scatter_tensor
-from slipstream.core_comm.hierarchical import Hierarchical, _ramped, _rows, _select
+from slipstream.core_comm.hierarchical import GlooInter, Hierarchical, _ramped, _rows, _select
 from slipstream.core_comm.shm import ShmComm
 from slipstream.core_comm.topology import Topology
 
@@ -113,6 +113,36 @@ def _on_one_node(rank, world):
 
 def test_pipelined_reduce_scatter_and_allgather_on_one_node_match_gloo():
     run_ranks(_on_one_node, 2, timeout=120)
+
+
+def _inter_all_reduce(rank, world):
+    """GlooInter's allreduce (a direct swap between two peers, gloo's own otherwise) equals
+    gloo's, and every rank holds the same bits, signed zeros and NaN included."""
+    inter = GlooInter(dist.new_group(list(range(world))))
+    for dtype in (torch.float32, torch.bfloat16, torch.int64):
+        for op in (R.SUM, R.PRODUCT, R.MAX, R.MIN):
+            for n in (0, 1, 1031):
+                x = _data(rank, n + 7, n, dtype)
+                ref = x.clone()
+                dist.all_reduce(ref, op=op)
+                handle = inter.all_reduce(x, op, async_op=True)
+                handle.wait()
+                assert torch.equal(x, ref), (dtype, op, n)
+        if dtype.is_floating_point:
+            special = torch.tensor([0.0, -0.0, float("nan"), 1.5, -2.0, float("inf")], dtype=dtype)
+            for op in (R.SUM, R.PRODUCT, R.MAX, R.MIN):
+                mine = special.roll(rank) * (-1) ** rank
+                inter.all_reduce(mine, op)
+                every = [torch.empty_like(mine) for _ in range(world)]
+                dist.all_gather(every, mine)
+                bits = [t.view(torch.int16 if t.element_size() == 2 else torch.int32) for t in every]
+                assert all(torch.equal(b, bits[0]) for b in bits), (dtype, op, every)
+    return True
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_inter_node_allreduce_matches_gloo_with_the_same_bits_on_every_peer(world):
+    run_ranks(_inter_all_reduce, world, timeout=120)
 
 
 def test_node_rows_are_views_when_evenly_spaced_and_an_index_otherwise():

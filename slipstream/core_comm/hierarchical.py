@@ -33,6 +33,9 @@ __all__ = ["Hierarchical", "InterTransport", "GlooInter"]
 ReduceOp = dist.ReduceOp
 # AVG is a SUM at both levels and one division at the end; the rest keep their op.
 _LEVEL_OP = {ReduceOp.AVG: ReduceOp.SUM}
+# Element-wise combine of two peers' shards, by the reduction op of one level.
+_PAIR_COMBINE = {ReduceOp.SUM: torch.add, ReduceOp.PRODUCT: torch.mul, ReduceOp.MAX: torch.maximum,
+                 ReduceOp.MIN: torch.minimum}
 
 
 class InterTransport(Protocol):
@@ -56,7 +59,17 @@ class GlooInter:
         self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
 
     def all_reduce(self, shard, op, async_op=False):
-        return dist.all_reduce(shard, op=op, group=self.group, async_op=async_op)
+        combine = _PAIR_COMBINE.get(op)
+        if self.size != 2 or combine is None:
+            return dist.all_reduce(shard, op=op, group=self.group, async_op=async_op)
+        # Two peers swap their shards whole and combine them, in group-rank order on both so
+        # that both hold the same bits: the same bytes on the link as gloo's ring (the shard
+        # once each way) in one round instead of two. 16 MiB allreduce on 2x2 emulated nodes
+        # at 1gbit (chrt -f 10, alternated runs): 153 ms against 161-168 with gloo's.
+        received = torch.empty_like(shard)
+        works = self._exchange([shard] * 2, [received] * 2)
+        first, second = (shard, received) if self.rank == 0 else (received, shard)
+        return _finish(_Exchange(works, lambda: combine(first, second, out=shard)), async_op)
 
     def reduce_scatter(self, out, inp, op, async_op=False):
         """``out: (m,)`` gets block ``rank`` of the reduction of every peer's ``inp: (size*m,)``.
