@@ -6,7 +6,8 @@ DeepSpeed JSON, an accelerate plugin, Megatron arguments); all of them are parse
     "slipstream": {
         "enabled": true,
         "comm":   {"shm": true, "chunk_bytes": 4194304, ...},   # fields of CommConfig
-        "varlen": {"enabled": true, "backend": "auto"}          # fields of VarlenConfig
+        "varlen": {"enabled": true, "backend": "auto"},         # fields of VarlenConfig
+        "keep_freed_memory": true                               # on CPU: see cpu_memory.py
     }
 """
 
@@ -31,6 +32,9 @@ class SlipstreamConfig:
     """Collectives: routed through the core's communicator."""
     varlen: VarlenConfig | None = None
     """Padding removal; None leaves the model as it is."""
+    keep_freed_memory: bool = True
+    """On a CPU accelerator, keep the memory tensors free in the process for the next step
+    (``slipstream.cpu_memory``): fewer page faults a step, resident memory stays at its peak."""
 
     @classmethod
     def from_dict(cls, section: Mapping[str, Any] | None, where: str = "slipstream") -> "SlipstreamConfig":
@@ -39,14 +43,15 @@ class SlipstreamConfig:
         if section is None:
             return cls(enabled=False)
         _require_mapping(section, where)
-        _reject_unknown(section, {"enabled", "comm", "varlen"}, where)
+        _reject_unknown(section, {"enabled", "comm", "varlen", "keep_freed_memory"}, where)
         enabled = _typed(section.get("enabled", True), bool, f"{where}.enabled")
         comm = _dataclass_from(CommConfig, section.get("comm", {}), f"{where}.comm")
         varlen_section = dict(section.get("varlen", {}))
         _require_mapping(varlen_section, f"{where}.varlen")
         varlen_on = _typed(varlen_section.pop("enabled", bool(varlen_section)), bool, f"{where}.varlen.enabled")
         varlen = _dataclass_from(VarlenConfig, varlen_section, f"{where}.varlen") if varlen_on else None
-        return cls(enabled=enabled, comm=comm, varlen=varlen)
+        keep = _typed(section.get("keep_freed_memory", True), bool, f"{where}.keep_freed_memory")
+        return cls(enabled=enabled, comm=comm, varlen=varlen, keep_freed_memory=keep)
 
 
 def _require_mapping(value, where: str) -> None:

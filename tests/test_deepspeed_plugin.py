@@ -57,16 +57,20 @@ def _train_mlp(stage, section, steps, gas, hidden=64, bucket=2000):
 
 
 def _parity(rank, world, stage, gas, hidden=64, bucket=2000):
+    from slipstream.cpu_memory import is_keeping_freed_memory
     from slipstream.plugins.deepspeed import installed_backend, uninstall
 
     stock_losses, stock_w = _train_mlp(stage, None, 4, gas, hidden, bucket)
+    assert not is_keeping_freed_memory()
     ours_losses, ours_w = _train_mlp(stage, {"enabled": True, "comm": COMM}, 4, gas, hidden, bucket)
+    assert is_keeping_freed_memory()  # the CPU accelerator, and the section's default
     backend = installed_backend()
     assert backend is not None and backend._comms, "the slipstream backend was not used"
     # The path the gradient buckets took: (hidden+1)*32*2 fp32 elements in one bucket.
     probe = torch.ones(min(bucket, 64 * hidden))
     algos = {comm.algorithm(probe)[0] for comm in backend._comms.values()}
     uninstall()
+    assert not is_keeping_freed_memory()
     torch.testing.assert_close(torch.tensor(ours_losses), torch.tensor(stock_losses), rtol=1e-5, atol=1e-6)
     for a, b in zip(ours_w, stock_w):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
@@ -140,6 +144,7 @@ def test_varlen_section_with_grad_accumulation_equals_the_padded_run():
         ({"comm": {"connections": 99}}, "connections must be between 1 and 16"),
         ({"varlen": {"enabled": True, "backend": "magic"}}, "slipstream.varlen: backend must be"),
         ({"varlen": {"enabled": True, "tiles": 3}}, "slipstream.varlen: unknown key 'tiles'"),
+        ({"keep_freed_memory": 1}, "slipstream.keep_freed_memory must be bool"),
         ([1, 2], "slipstream must be an object"),
     ],
 )
@@ -153,6 +158,7 @@ def test_config_section_defaults_and_absence():
     cfg = SlipstreamConfig.from_dict({"comm": {"chunk_bytes": 1 << 20}, "varlen": {"enabled": True}})
     assert cfg.enabled and cfg.comm.chunk_bytes == 1 << 20 and cfg.varlen is not None
     assert SlipstreamConfig.from_dict({"varlen": {"enabled": False, "backend": "sdpa"}}).varlen is None
+    assert cfg.keep_freed_memory and not SlipstreamConfig.from_dict({"keep_freed_memory": False}).keep_freed_memory
 
 
 def test_install_uninstall_round_trip_restores_deepspeed_initialize():

@@ -15,6 +15,7 @@ import os
 import copy
 
 from ...config import SlipstreamConfig
+from ...cpu_memory import keep_freed_memory, release_freed_memory
 from .comm import install_comm
 
 __all__ = ["initialize", "install", "uninstall", "load_ds_config", "bucket_defaults"]
@@ -69,6 +70,8 @@ def _initialize(original, args, kwargs):
     _init_distributed(params)
     backend = install_comm(settings.comm)
     ds_config = bucket_defaults(ds_config, _recommended_buckets(backend, ds_config))
+    if settings.keep_freed_memory and _on_cpu():
+        keep_freed_memory()
     if settings.varlen is not None:
         from ...core_compile import apply_varlen
 
@@ -115,11 +118,15 @@ def _recommended_buckets(backend, ds_config: dict) -> dict:
 def _overlaps_comm(ds_config: dict) -> bool:
     """Whether ZeRO runs its collectives beside compute: ``overlap_comm`` on (DeepSpeed's
     default: on for stage 3 only) and an accelerator with streams (the CPU one has none)."""
-    from deepspeed.accelerator import get_accelerator
-
     zero = ds_config.get("zero_optimization", {})
     overlap = zero.get("overlap_comm", zero.get("stage", 0) == 3)
-    return bool(overlap) and get_accelerator().device_name() != "cpu"
+    return bool(overlap) and not _on_cpu()
+
+
+def _on_cpu() -> bool:
+    from deepspeed.accelerator import get_accelerator
+
+    return get_accelerator().device_name() == "cpu"
 
 
 def install() -> None:
@@ -150,3 +157,4 @@ def uninstall() -> None:
     from .comm import uninstall_comm
 
     uninstall_comm()
+    release_freed_memory()

@@ -1,0 +1,82 @@
+"""Keep the memory that CPU tensors free inside the process, for the next step to reuse.
+
+glibc's malloc serves a large block (above a threshold that adapts up to 32 MiB) with a
+mapping of its own and unmaps it on ``free``, and gives the top of its heap back to the
+kernel once 128 KiB of it is free. A training step allocates and frees the same large
+activations and gradients every step, so on a CPU every step faults in and zeroes every
+4 KiB page of them again, in the kernel. :func:`keep_freed_memory` turns both off
+(``mallopt(M_MMAP_MAX, 0)``; ``M_TRIM_THRESHOLD`` at 2 GiB, the most ``mallopt`` takes): freed blocks stay in the
+heap and the next step reuses them. The process's resident memory then stays at its peak,
+like a caching allocator's. Blocks mapped before the call keep their mappings until freed.
+
+llama-20m ZeRO-2 on 2 emulated nodes x 2 ranks of a 2-core machine: 6% more tokens/s, 10-14%
+less kernel time, 8% more peak memory (benchmarks/results/finetune_*.md).
+
+Process-wide, idempotent; :func:`release_freed_memory` restores glibc's default limits and
+hands the free heap back (the threshold glibc would have adapted stays where it was: any
+``mallopt`` fixes it). Elsewhere than glibc (musl, macOS) both do nothing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import platform
+import threading
+
+__all__ = ["keep_freed_memory", "release_freed_memory", "is_keeping_freed_memory"]
+
+log = logging.getLogger("slipstream")
+
+# <malloc.h>
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_MAX = -4
+_KEEP = {_M_MMAP_MAX: 0, _M_TRIM_THRESHOLD: 2**31 - 1}
+_GLIBC_DEFAULTS = {_M_MMAP_MAX: 65536, _M_TRIM_THRESHOLD: 128 * 1024}
+
+_lock = threading.Lock()
+_keeping = False
+
+
+def _libc():
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return None
+    libc = ctypes.CDLL(None)
+    return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
+
+
+def _set(libc, values: dict) -> None:
+    for param, value in values.items():
+        if not libc.mallopt(ctypes.c_int(param), ctypes.c_int(value)):
+            raise OSError(f"mallopt({param}, {value}) failed")
+
+
+def keep_freed_memory() -> bool:
+    """Keep freed blocks in the heap from now on; True if in effect (glibc only)."""
+    global _keeping
+    with _lock:
+        if _keeping:
+            return True
+        libc = _libc()
+        if libc is None:
+            log.debug("slipstream: not glibc's malloc; freed CPU memory is handled as before")
+            return False
+        _set(libc, _KEEP)
+        _keeping = True
+        return True
+
+
+def release_freed_memory() -> None:
+    """Undo :func:`keep_freed_memory`: glibc's default limits, the free heap trimmed."""
+    global _keeping
+    with _lock:
+        if not _keeping:
+            return
+        libc = _libc()
+        _set(libc, _GLIBC_DEFAULTS)
+        libc.malloc_trim(ctypes.c_size_t(0))
+        _keeping = False
+
+
+def is_keeping_freed_memory() -> bool:
+    return _keeping
