@@ -5,12 +5,13 @@ mapping of its own and unmaps it on ``free``, and gives the top of its heap back
 kernel once 128 KiB of it is free. A training step allocates and frees the same large
 activations and gradients every step, so on a CPU every step faults in and zeroes every
 4 KiB page of them again, in the kernel. :func:`keep_freed_memory` turns both off
-(``mallopt(M_MMAP_MAX, 0)``; ``M_TRIM_THRESHOLD`` at 2 GiB, the most ``mallopt`` takes): freed blocks stay in the
-heap and the next step reuses them. The process's resident memory then stays at its peak,
-like a caching allocator's. Blocks mapped before the call keep their mappings until freed.
+(``mallopt(M_MMAP_MAX, 0)``; ``M_TRIM_THRESHOLD`` at 2 GiB, the most ``mallopt`` takes):
+freed blocks stay in the heap and the next step reuses them. The process's resident memory
+then stays at its peak, like a caching allocator's. Blocks mapped before the call keep their
+mappings until freed.
 
-llama-20m ZeRO-2 on 2 emulated nodes x 2 ranks of a 2-core machine: 6% more tokens/s, 10-14%
-less kernel time, 8% more peak memory (benchmarks/results/finetune_*.md).
+llama-20m ZeRO-2 on 2 emulated nodes x 2 ranks of a 2-core machine: 6% more tokens/s, 12%
+less system time, 8% more peak memory (benchmarks/results/finetune_*.md, session 4).
 
 Process-wide, idempotent; :func:`release_freed_memory` restores glibc's default limits and
 hands the free heap back (the threshold glibc would have adapted stays where it was: any
