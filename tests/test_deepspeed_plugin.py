@@ -39,7 +39,7 @@ def _mlp_batches(rank, n):
         yield torch.randn(4, 32, generator=g), torch.randn(4, 32, generator=g)
 
 
-def _train_mlp(stage, section, steps, gas, hidden=64, bucket=2000):
+def _train_mlp(stage, section, steps, gas, hidden=64, bucket=2000, engines=None):
     import slipstream.deepspeed as sds
 
     torch.manual_seed(0)
@@ -47,6 +47,8 @@ def _train_mlp(stage, section, steps, gas, hidden=64, bucket=2000):
     init = sds.initialize if section is not None else deepspeed.initialize
     cfg = _ds_config(stage, gas, section, bucket)
     engine, *_ = init(model=model, model_parameters=model.parameters(), config=cfg)
+    if engines is not None:
+        engines.append(engine)
     losses = []
     for x, y in _mlp_batches(engine.global_rank, steps * gas):
         loss = (engine(x) - y).pow(2).mean()
@@ -58,23 +60,46 @@ def _train_mlp(stage, section, steps, gas, hidden=64, bucket=2000):
 
 def _parity(rank, world, stage, gas, hidden=64, bucket=2000):
     from slipstream.cpu_memory import is_keeping_freed_memory
-    from slipstream.plugins.deepspeed import installed_backend, uninstall
+    from slipstream.plugins.deepspeed import CommBackend, installed_backend, uninstall
+    from slipstream.plugins.deepspeed.zero import is_patched
 
     stock_losses, stock_w = _train_mlp(stage, None, 4, gas, hidden, bucket)
     assert not is_keeping_freed_memory()
-    ours_losses, ours_w = _train_mlp(stage, {"enabled": True, "comm": COMM}, 4, gas, hidden, bucket)
+    scatters = []  # ZeRO-1/2 gradient buckets reduced to their owners go through here
+    scatter = CommBackend.reduce_scatter_tensor
+    CommBackend.reduce_scatter_tensor = lambda self, *a, **k: scatters.append(1) or scatter(self, *a, **k)
+    engines = []
+    ours_losses, ours_w = _train_mlp(stage, {"enabled": True, "comm": COMM}, 4, gas, hidden, bucket, engines)
+    CommBackend.reduce_scatter_tensor = scatter
     assert is_keeping_freed_memory()  # the CPU accelerator, and the section's default
     backend = installed_backend()
     assert backend is not None and backend._comms, "the slipstream backend was not used"
     # The path the gradient buckets took: (hidden+1)*32*2 fp32 elements in one bucket.
     probe = torch.ones(min(bucket, 64 * hidden))
     algos = {comm.algorithm(probe)[0] for comm in backend._comms.values()}
+    optimizer = engines[0].optimizer
+    assert is_patched(optimizer) == (stage < 3)
+    assert len(scatters) > 0, "no gradient bucket was reduce-scattered"
     uninstall()
-    assert not is_keeping_freed_memory()
+    assert not is_keeping_freed_memory() and not is_patched(optimizer)
     torch.testing.assert_close(torch.tensor(ours_losses), torch.tensor(stock_losses), rtol=1e-5, atol=1e-6)
     for a, b in zip(ours_w, stock_w):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     return sorted(algos)
+
+
+def test_owner_layout_groups_slices_by_owner_and_pads_to_the_largest():
+    from slipstream.plugins.deepspeed.zero import owner_layout
+
+    # slices of 5, 3, 4, 2 elements owned by ranks 1, 0, 1, 0 (as in a bucket filled by backward)
+    offsets, shard, ends = owner_layout([5, 3, 4, 2], [1, frozenset({0}), 1, 0], 2)
+    assert shard == 9 and offsets == [9, 0, 14, 3] and ends == [5, 18]
+    # rank 0 owns nothing: 2x padding is more than the reduce-scatter saves, so DeepSpeed's path
+    assert owner_layout([5, 4], [1, 1], 2) is None
+    assert owner_layout([5, 4], [frozenset({0, 1}), 1], 2) is None  # a slice with two owners
+    assert owner_layout([0], [0], 2) is None
+    with pytest.raises(ValueError, match="owner 2 outside the group of 2 ranks"):
+        owner_layout([1], [2], 2)
 
 
 def _env(*nodes):
@@ -88,9 +113,10 @@ def test_zero_stage_matches_stock_deepspeed_losses_and_weights(stage):
 
 
 def test_zero2_on_two_emulated_nodes_with_grad_accumulation_matches_stock():
-    # Buckets of 256 KiB: above the size under which the cost model keeps cross-node
+    # One bucket of the whole model (66592 fp32 elements, split evenly over the 4 owners, so
+    # it is reduce-scattered): above the size under which the cost model keeps cross-node
     # messages on the stock collective, so gradients take the hierarchical path.
-    algos = run_ranks(_parity, 4, 2, 2, 1024, 1 << 16, rank_env=_env(0, 0, 1, 1), timeout=500)
+    algos = run_ranks(_parity, 4, 2, 2, 1024, 1 << 17, rank_env=_env(0, 0, 1, 1), timeout=500)
     assert algos[0] == ["hierarchical"]
 
 

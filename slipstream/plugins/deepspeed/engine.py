@@ -17,6 +17,7 @@ import copy
 from ...config import SlipstreamConfig
 from ...cpu_memory import keep_freed_memory, release_freed_memory
 from .comm import install_comm
+from .zero import patch_zero_optimizer
 
 __all__ = ["initialize", "install", "uninstall", "load_ds_config", "bucket_defaults"]
 
@@ -83,7 +84,10 @@ def _initialize(original, args, kwargs):
         params["args"] = copy.copy(params["args"])
         params["args"].deepspeed_config = None
     params["config"] = ds_config
-    return original(*bound.args, **bound.kwargs)
+    result = original(*bound.args, **bound.kwargs)
+    if patch_zero_optimizer(result[0].optimizer):
+        log.info("slipstream: ZeRO gradient buckets reduced to their owners (reduce-scatter)")
+    return result
 
 
 def _init_distributed(params) -> None:
@@ -155,6 +159,8 @@ def uninstall() -> None:
     if getattr(deepspeed.initialize, _MARKER, False):
         deepspeed.initialize = deepspeed.initialize.__wrapped__
     from .comm import uninstall_comm
+    from .zero import unpatch_all
 
+    unpatch_all()
     uninstall_comm()
     release_freed_memory()
