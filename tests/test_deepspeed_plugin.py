@@ -170,6 +170,7 @@ def test_varlen_section_with_grad_accumulation_equals_the_padded_run():
         ({"comm": {"connections": 99}}, "connections must be between 1 and 16"),
         ({"varlen": {"enabled": True, "backend": "magic"}}, "slipstream.varlen: backend must be"),
         ({"varlen": {"enabled": True, "tiles": 3}}, "slipstream.varlen: unknown key 'tiles'"),
+        ({"varlen": {"enabled": True, "compile": "yes"}}, "slipstream.varlen.compile must be bool"),
         ({"keep_freed_memory": 1}, "slipstream.keep_freed_memory must be bool"),
         ([1, 2], "slipstream must be an object"),
     ],

@@ -31,12 +31,15 @@ from typing import Any, Iterator
 import torch
 
 from .attention import BACKENDS, VarlenContext, varlen_attention
+from .fuse import fuse_layers, unfuse_layers
 from .packing import PackedBatch
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "VarlenConfig", "apply", "unpatch", "patched", "is_patched"]
 
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "qwen2", "mistral"})
 ATTENTION_NAME = "slipstream_varlen"
+# the same function, kept out of dynamo's graphs: the name compiled layers call
+ATTENTION_NAME_COMPILED = "slipstream_varlen_compiled"
 _MARKER = "_slipstream_varlen"
 _GENERATION_ARGS = ("past_key_values", "use_cache", "output_attentions", "output_hidden_states")
 
@@ -51,6 +54,9 @@ class VarlenConfig:
     logits: str = "packed"
     """Layout of returned logits for a padded input: ``"packed"`` ``(1, total_tokens, vocab)``,
     cheap, or ``"padded"`` ``(batch, seq, vocab)`` with zeros at padding, as the stock model."""
+    compile: bool = False
+    """Compile each decoder layer around the attention (``torch.compile``, dynamic shapes):
+    fused element-wise ops, equal to eager up to float rounding. See :mod:`.fuse`."""
 
     def __post_init__(self) -> None:
         if self.backend != "auto" and self.backend not in BACKENDS:
@@ -64,6 +70,7 @@ class _PatchState:
     config: VarlenConfig
     original_forward: Any
     original_attn_implementation: str | None
+    attn_name: str = ATTENTION_NAME
 
 
 def is_patched(model: torch.nn.Module) -> bool:
@@ -121,12 +128,19 @@ def apply(model: torch.nn.Module, config: VarlenConfig | None = None) -> torch.n
 
     if ATTENTION_NAME not in AttentionInterface._global_mapping:
         AttentionInterface.register(ATTENTION_NAME, _hf_attention)
+    attn_name = ATTENTION_NAME
+    if config.compile:
+        fuse_layers(model.model.layers)  # first: it raises before changing anything
+        attn_name = ATTENTION_NAME_COMPILED
+        if attn_name not in AttentionInterface._global_mapping:
+            AttentionInterface.register(attn_name, torch.compiler.disable(_hf_attention))
     state = _PatchState(
         config=config,
         original_forward=model.forward,
         original_attn_implementation=model.config._attn_implementation,
+        attn_name=attn_name,
     )
-    model.config._attn_implementation = ATTENTION_NAME
+    model.config._attn_implementation = attn_name
     setattr(model, _MARKER, state)
     setattr(model, "forward", types.MethodType(_varlen_forward, model))
     return model
@@ -138,6 +152,7 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
     if state is None:
         return model
     vars(model).pop("forward", None)
+    unfuse_layers(model.model.layers)
     model.config._attn_implementation = state.original_attn_implementation
     return model
 
@@ -161,7 +176,7 @@ def _original_attention(model):
     try:
         yield
     finally:
-        model.config._attn_implementation = ATTENTION_NAME
+        model.config._attn_implementation = state.attn_name
 
 
 def _resolve_packed(input_ids, inputs_embeds, attention_mask, position_ids, kwargs):
