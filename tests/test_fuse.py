@@ -11,21 +11,12 @@ from slipstream.core_compile import VarlenConfig, apply_varlen, unpatch_varlen
 from slipstream.core_compile import fuse
 from slipstream.recipes.model import build_model
 
-VOCAB = 97
+from _varlen_ref import VOCAB, assert_step_matches_padded  # noqa: E402
 COMPILED = VarlenConfig(compile=True)
 
 needs_compiler = pytest.mark.skipif(
     fuse.compiler_problem("cpu") is not None, reason="torch.compile cannot run on this machine's CPU"
 )
-
-
-def _padded(lengths, seed):
-    gen = torch.Generator().manual_seed(seed)
-    seq = max(lengths)
-    ids = torch.randint(1, VOCAB, (len(lengths), seq), generator=gen)
-    mask = (torch.arange(seq).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)).long()
-    ids = ids * mask
-    return ids, mask, ids.masked_fill(mask == 0, -100)
 
 
 def _calls(model):
@@ -36,21 +27,6 @@ def _calls(model):
     return calls
 
 
-def _step_matches(ref, ours, lengths, seed):
-    ids, mask, labels = _padded(lengths, seed)
-    for m in (ref, ours):
-        m.zero_grad(set_to_none=True)
-    out_ref = ref(input_ids=ids, attention_mask=mask, labels=labels)
-    out_ref.loss.backward()
-    out = ours(input_ids=ids, attention_mask=mask, labels=labels)
-    out.loss.backward()
-    torch.testing.assert_close(out.loss, out_ref.loss, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(out.logits[0], out_ref.logits[mask.bool()], rtol=1e-4, atol=1e-5)
-    ref_grads = dict(ref.named_parameters())
-    for n, p in ours.named_parameters():
-        torch.testing.assert_close(p.grad, ref_grads[n].grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{n}: {m}")
-
-
 @needs_compiler
 @pytest.mark.parametrize("name", ["llama-tiny", "qwen2-tiny"])
 def test_compiled_layers_match_the_padded_eager_model_across_lengths(name):
@@ -59,7 +35,7 @@ def test_compiled_layers_match_the_padded_eager_model_across_lengths(name):
     apply_varlen(ours, COMPILED)
     # three packed lengths (dynamic shapes: no recompile per length) and sequence counts
     for seed, lengths in enumerate([[7, 30, 12], [25, 3], [40, 9, 18, 2]]):
-        _step_matches(ref, ours, lengths, seed)
+        assert_step_matches_padded(ref, ours, lengths, seed)
     calls = _calls(ours)
     assert calls == {"compiled": 3 * ref.config.num_hidden_layers, "eager": 0}
 
@@ -71,7 +47,7 @@ def test_layers_whose_modules_carry_forward_hooks_run_eagerly():
     apply_varlen(ours, COMPILED)
     seen = []
     ours.model.layers[0].mlp.register_forward_pre_hook(lambda module, args: seen.append(module))
-    _step_matches(ref, ours, [9, 14], 0)
+    assert_step_matches_padded(ref, ours, [9, 14], 0)
     assert len(seen) == 1
     calls = [vars(layer)["forward"].calls for layer in ours.model.layers]
     assert calls[0] == {"compiled": 0, "eager": 1} and calls[1] == {"compiled": 1, "eager": 0}
@@ -93,7 +69,7 @@ def test_without_a_working_compiler_layers_run_eagerly_with_a_warning(monkeypatc
         monkeypatch.setattr(torch, "compile", broken)
         fuse.compiler_problem.cache_clear()
         with pytest.warns(UserWarning, match="decoder layers run eagerly"):
-            _step_matches(ref, ours, [5, 11], 0)
+            assert_step_matches_padded(ref, ours, [5, 11], 0)
         assert _calls(ours) == {"compiled": 0, "eager": ref.config.num_hidden_layers}
     finally:
         fuse.compiler_problem.cache_clear()

@@ -20,7 +20,10 @@ from slipstream.core_compile import (
 )
 from slipstream.recipes.model import build_model
 
-VOCAB = 97
+from _varlen_ref import VOCAB, assert_step_matches_padded  # noqa: E402
+from _varlen_ref import grads as _grads  # noqa: E402
+from _varlen_ref import padded as _padded  # noqa: E402
+
 FAMILIES = ["llama-tiny", "qwen2-tiny", "mistral-tiny"]
 
 
@@ -28,34 +31,11 @@ def _model(name="llama-tiny", attn="sdpa"):
     return build_model(name, vocab_size=VOCAB, attn_implementation=attn, seed=1)
 
 
-def _padded(lengths, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    batch, seq = len(lengths), max(lengths)
-    ids = torch.randint(1, VOCAB, (batch, seq), generator=gen)
-    mask = (torch.arange(seq).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)).long()
-    ids = ids * mask  # pad id 0
-    labels = ids.masked_fill(mask == 0, -100)
-    return ids, mask, labels
-
-
-def _grads(model):
-    return {n: p.grad.clone() for n, p in model.named_parameters()}
-
-
 def _check_exact(name, lengths, *, attn="sdpa", config=None):
     ref = _model(name, attn)
     ours = copy.deepcopy(ref)
     apply_varlen(ours, config or VarlenConfig(logits="packed"))
-    ids, mask, labels = _padded(lengths)
-    out_ref = ref(input_ids=ids, attention_mask=mask, labels=labels)
-    out_ref.loss.backward()
-    out = ours(input_ids=ids, attention_mask=mask, labels=labels)
-    out.loss.backward()
-    torch.testing.assert_close(out.loss, out_ref.loss, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(out.logits[0], out_ref.logits[mask.bool()], rtol=1e-4, atol=1e-5)
-    ref_grads = _grads(ref)
-    for n, g in _grads(ours).items():
-        torch.testing.assert_close(g, ref_grads[n], rtol=1e-4, atol=1e-6, msg=lambda m: f"{n}: {m}")
+    assert_step_matches_padded(ref, ours, lengths)
 
 
 @pytest.mark.parametrize("name", FAMILIES)

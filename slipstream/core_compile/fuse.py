@@ -22,14 +22,12 @@ llama-20m's loss). :func:`unfuse_layers` removes the wrappers.
 from __future__ import annotations
 
 import functools
-import logging
 import warnings
 
 import torch
 
 __all__ = ["fuse_layers", "unfuse_layers", "is_fused", "compiler_problem"]
 
-log = logging.getLogger("slipstream.core_compile")
 _MARKER = "_slipstream_fused"
 
 

@@ -2,8 +2,9 @@
 
 Every collective DeepSpeed issues goes through one module-level backend object,
 ``deepspeed.comm.comm.cdb`` (ZeRO-1/2: gradient ``all_reduce``, or ``reduce_scatter_tensor``
-with ``zero.py``'s patch, parameter ``all_gather_into_tensor``; ZeRO-3: async ``all_gather_into_tensor`` handles with
-``.wait()``, ``reduce_scatter_tensor`` of gradients, fp64 ``all_reduce`` of norms). The
+with ``zero.py``'s patch, parameter ``all_gather_into_tensor``; ZeRO-3: async
+``all_gather_into_tensor`` handles with ``.wait()``, ``reduce_scatter_tensor`` of gradients,
+fp64 ``all_reduce`` of norms). The
 stand-in answers those three through a ``Communicator`` per process group and hands every
 other attribute to the original object, which stays reachable as ``__wrapped__``.
 DeepSpeed's files are not edited.
