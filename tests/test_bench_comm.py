@@ -9,7 +9,7 @@ import pytest
 
 from slipstream.bench import comm
 from slipstream.cli import main
-from slipstream.core_comm.cluster import ClusterSpec
+from slipstream.cluster import ClusterSpec
 
 REQUIRED = {"op", "size_bytes", "impl", "time_s", "algbw_gbps", "busbw_gbps", "bound_s"}
 

@@ -8,8 +8,7 @@ import textwrap
 
 import pytest
 
-from slipstream.core_comm import _netns
-from slipstream.core_comm.cluster import ClusterSpec, EmulatedCluster, LaunchError, launch, parse_rate
+from slipstream.cluster import ClusterSpec, EmulatedCluster, LaunchError, _netns, launch, parse_rate
 
 # Each rank allreduces (rank + 1) and records what it saw.
 _WORKER = textwrap.dedent(

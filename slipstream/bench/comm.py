@@ -1,6 +1,6 @@
 """``slipstream bench comm``: collectives, slipstream vs the stock backend, nccl-tests style.
 
-Ranks are started with ``slipstream.core_comm.cluster.launch``: one local node on loopback, or
+Ranks are started with ``slipstream.cluster.launch``: one local node on loopback, or
 ``--nodes`` emulated nodes joined by ``--link``-limited links (root needed). Both
 implementations run in the same processes on the same buffers, alternating; each row is the
 median over ``--iters`` of the slowest rank's time. Results are checked once per size
@@ -15,7 +15,7 @@ reduce-scatter's input; GB/s are 10^9 bytes/s, so ``*_gbps`` fields are GB/s too
   allgather and reduce-scatter) divided by the copy bandwidth measured at start (a 512 MiB
   tensor copy on all cores, read + write bytes). Across N nodes, the bytes that must cross
   each node's link, 2(N-1)/N x S (allreduce) or (N-1)/N x S, divided by the link rate (TCP's
-  goodput is 95.6% of it at best: see ``core_comm/cluster.py``).
+  goodput is 95.6% of it at best: see ``cluster/emulated.py``).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from slipstream.core_comm.cluster import ClusterSpec, launch, parse_rate
+from slipstream.cluster import ClusterSpec, launch, parse_rate
 from ._output import cpu_model, emit
 
 __all__ = ["add_arguments", "run"]

@@ -9,7 +9,7 @@ Columns: steps/s from the median step time of the slowest rank; ratio = slipstre
 steps/s; weights: both models' weights after the run, ``allclose`` at fp32 tolerance
 (rtol 1.3e-6, atol 1e-5) and the largest difference; link bound: the least time the gradient
 allreduce needs on the link, 2(N-1)/N x gradient bytes / link rate (N nodes; TCP gets at most
-95.6% of it, see ``core_comm/cluster.py``).
+95.6% of it, see ``cluster/emulated.py``).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import sys
 import tempfile
 
 from slipstream.bench.comm import _machine
-from slipstream.core_comm.cluster import ClusterSpec, launch, parse_rate
+from slipstream.cluster import ClusterSpec, launch, parse_rate
 from ._output import emit
 
 __all__ = ["add_arguments", "parse_layout", "run"]

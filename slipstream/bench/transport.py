@@ -12,7 +12,7 @@ rank's time.
 bound: the bytes that must leave each node, 2(N-1)/N x S per rank x ranks per node, divided by
 the rate its connections can get: min(link, ranks per node x K x per-connection rate) for
 ``MultiConnInter``, the link for gloo. TCP's goodput is at most 95.6% of a rate
-(``core_comm/cluster.py``), so ~96% of bound is the ceiling.
+(``cluster/emulated.py``), so ~96% of bound is the ceiling.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import sys
 import tempfile
 
 from slipstream.bench.comm import _format_size, _machine, parse_size
-from slipstream.core_comm.cluster import ClusterSpec, launch, parse_rate
+from slipstream.cluster import ClusterSpec, launch, parse_rate
 from ._output import emit
 
 __all__ = ["add_arguments", "run"]

@@ -1,7 +1,7 @@
 """``slipstream env``: the detected topology, backend, which fast paths are active and why the
 others are not, the tuned choices (from the cache, else the cost model) and versions.
 
-Ranks are started with ``slipstream.core_comm.cluster.launch`` like ``slipstream bench comm``
+Ranks are started with ``slipstream.cluster.launch`` like ``slipstream bench comm``
 (``--nodes``, ``--ranks-per-node``, ``--link``). Versions of the optional stacks are read from
 their installed metadata, without importing them.
 """
@@ -17,7 +17,7 @@ import sys
 import tempfile
 from importlib import metadata
 
-from slipstream.core_comm.cluster import ClusterSpec, launch
+from slipstream.cluster import ClusterSpec, launch
 
 __all__ = ["add_arguments", "run", "versions"]
 

@@ -1,6 +1,6 @@
 """``slipstream tune``: measure the communicator's choices ahead of time, cache and print them.
 
-Ranks are started with ``slipstream.core_comm.cluster.launch`` (one local node, or
+Ranks are started with ``slipstream.cluster.launch`` (one local node, or
 ``--nodes`` emulated nodes joined by ``--link``). The cache goes where training runs look
 for it (``--cache-dir``, default ``~/.cache/slipstream/tuner``). ``--compare`` then times the
 fixed default against the tuned choice on each size (the target: never > 5% slower).
@@ -19,7 +19,7 @@ import tempfile
 import torch
 
 from slipstream.bench.comm import _format_size, _machine, parse_size
-from slipstream.core_comm.cluster import ClusterSpec, launch
+from slipstream.cluster import ClusterSpec, launch
 
 __all__ = ["add_arguments", "run"]
 

@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-from ..core_comm.cluster import ClusterSpec, launch
+from ..cluster import ClusterSpec, launch
 
 WORKER = "slipstream.recipes._finetune_worker"
 # Options handed to every rank unchanged: (flag, attribute).

@@ -1,4 +1,4 @@
-"""Raw ``ip`` / ``tc`` commands behind the emulated cluster (``cluster.py``).
+"""Raw ``ip`` / ``tc`` commands behind the emulated cluster (``emulated.py``).
 
 Every function names the namespace it acts in. Nothing here touches the caller's own network
 namespace except creating and deleting the named namespaces themselves: veth pairs are made with
@@ -194,66 +194,3 @@ def shape_egress(
                 f"match ip {field} {port} 0xffff flowid {cls}"
             )
     run("tc", "-batch", "-", ns=ns, stdin="\n".join(lines) + "\n")
-
-
-def _receive(ip: str, port: int, flows: int) -> None:
-    """Accept one connection on each of ``port .. port+flows-1``; print bits/s received.
-
-    Time runs from the first byte to the last, so connection set-up is not counted.
-    """
-    import socket
-    import threading
-    import time
-
-    listeners = []
-    for k in range(flows):
-        s = socket.socket()
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind((ip, port + k))
-        s.listen(1)
-        listeners.append(s)
-    print("ready", flush=True)
-    spans: list[tuple[float, float, int]] = []
-
-    def drain(listener: socket.socket) -> None:
-        conn, _ = listener.accept()
-        first, total = None, 0
-        while chunk := conn.recv(1 << 20):
-            first = first or time.perf_counter()
-            total += len(chunk)
-        spans.append((first or time.perf_counter(), time.perf_counter(), total))
-
-    threads = [threading.Thread(target=drain, args=(s,)) for s in listeners]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    start, end = min(s[0] for s in spans), max(s[1] for s in spans)
-    print(sum(s[2] for s in spans) * 8 / max(end - start, 1e-9), flush=True)
-
-
-def _send(ip: str, port: int, flows: int, nbytes: int) -> None:
-    """Send ``nbytes`` in all, split over ``flows`` connections to ``port .. port+flows-1``."""
-    import socket
-    import threading
-
-    block = b"\0" * (1 << 20)
-
-    def push(k: int) -> None:
-        with socket.create_connection((ip, port + k), timeout=60) as s:
-            left = nbytes // flows
-            while left > 0:
-                left -= s.send(block[: min(left, len(block))])
-
-    threads = [threading.Thread(target=push, args=(k,)) for k in range(flows)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-
-
-if __name__ == "__main__":  # the two ends of the link measurement, run inside namespaces
-    import sys
-
-    mode, args = sys.argv[1], [int(a) if a.isdigit() else a for a in sys.argv[2:]]
-    (_receive if mode == "recv" else _send)(*args)

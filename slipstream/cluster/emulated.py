@@ -9,9 +9,11 @@ loopback), traffic between nodes crosses two shaped links. Ranks are started by 
 launcher, one ``torch.distributed.run`` per node inside its namespace, with
 ``SLIPSTREAM_NODE=<node>`` (so topology detection, and hence shared memory, follows the emulated
 nodes) and ``GLOO_SOCKET_IFNAME=veth0``. With one node nothing is emulated: plain
-``torch.distributed.run --standalone`` on loopback, no root needed.
+``torch.distributed.run --standalone`` on loopback, no root needed. Every process runs the
+launching interpreter (``sys.executable``) with the launcher's environment, so ranks import
+``slipstream`` from where the launcher does (an installed package, editable or not).
 
-Link rates, measured with ``python -m slipstream.core_comm.cluster`` (32 MiB over TCP from
+Link rates, measured with ``python -m slipstream.cluster`` (32 MiB over TCP from
 node 1 to node 0, goodput; 1448 payload bytes per 1514-byte frame make 95.6% of the rate
 the most TCP can get; 2-core KVM guest, kernel 6.18):
 
@@ -44,7 +46,6 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Mapping, Sequence
 
 from . import _netns
@@ -285,17 +286,17 @@ class EmulatedCluster:
                            flows: int = 1, port: int = 5201, timeout: float = 60.0) -> float:
         """TCP goodput in bits/s from node ``src`` to node ``dst``: ``nbytes`` over ``flows``
         connections to ports ``port .. port+flows-1``, timed at the receiver."""
-        tool = [sys.executable, "-m", "slipstream.core_comm._netns"]
-        ip, env = self.node_ips[dst], _child_env({})
+        tool = [sys.executable, "-m", "slipstream.cluster._probe"]
+        ip = self.node_ips[dst]
         recv = subprocess.Popen(
             self.node_command(dst, [*tool, "recv", ip, str(port), str(flows)]),
-            stdout=subprocess.PIPE, text=True, env=env,
+            stdout=subprocess.PIPE, text=True,
         )
         try:
             if recv.stdout.readline().strip() != "ready":  # type: ignore[union-attr]
                 raise NetnsError("the throughput receiver did not start")
             subprocess.run(self.node_command(src, [*tool, "send", ip, str(port), str(flows),
-                                                   str(nbytes)]), check=True, timeout=timeout, env=env)
+                                                   str(nbytes)]), check=True, timeout=timeout)
             out, _ = recv.communicate(timeout=timeout)
             return float(out.strip())
         finally:
@@ -310,14 +311,6 @@ def _remove_stale(names: Sequence[str]) -> None:
         m = _NAME.match(name)
         if m and not os.path.exists(f"/proc/{m.group(1)}"):
             _netns.del_ns(name)
-
-
-def _child_env(extra: Mapping[str, str]) -> dict[str, str]:
-    """The environment for launched processes: ours, ``extra``, and this package importable."""
-    env = {**os.environ, **extra}
-    root = str(Path(__file__).resolve().parents[2])
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    return env
 
 
 def launch(argv: Sequence[str], spec: ClusterSpec, *, env: Mapping[str, str] | None = None,
@@ -347,7 +340,7 @@ def _run_nodes(commands: Sequence[tuple[list[str], Mapping[str, str]]], timeout:
     deadline = None if timeout is None else time.monotonic() + timeout
     try:
         for i, (argv, env) in enumerate(commands):
-            proc = subprocess.Popen(argv, env=_child_env(env), stdout=subprocess.PIPE,
+            proc = subprocess.Popen(argv, env={**os.environ, **env}, stdout=subprocess.PIPE,
                                     stderr=subprocess.STDOUT, text=True, errors="replace",
                                     start_new_session=True)
             procs.append(proc)
@@ -377,25 +370,3 @@ def _run_nodes(commands: Sequence[tuple[list[str], Mapping[str, str]]], timeout:
 
 def _tails(tails: Sequence[deque], nodes: Sequence[int]) -> str:
     return "\n".join(f"--- last lines of node {i} ---\n{''.join(tails[i])}" for i in nodes)
-
-
-def _main() -> None:
-    """Print the measured throughput of a 2-node cluster: ``--link``, ``--per-connection-rate``."""
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m slipstream.core_comm.cluster")
-    parser.add_argument("--link", default="1gbit")
-    parser.add_argument("--per-connection-rate", default=None)
-    parser.add_argument("--mib", type=int, default=32)
-    args = parser.parse_args()
-    spec = ClusterSpec(nodes=2, link=args.link, per_connection_rate=args.per_connection_rate)
-    with EmulatedCluster(spec) as cluster:
-        port = spec.capped_ports.start if spec.per_connection_rate else 5201
-        for flows in (1, 2, 4):
-            bps = cluster.measure_throughput(nbytes=args.mib << 20, flows=flows, port=port)
-            print(f"link {spec.link} per-connection {spec.per_connection_rate}: {flows} flow(s) "
-                  f"{bps / 1e6:.1f} Mbit/s ({bps / spec.link_bps:.1%} of the link)")
-
-
-if __name__ == "__main__":
-    _main()
