@@ -48,6 +48,7 @@ def test_busbw_and_memory_bound_follow_nccl_tests_on_one_node():
     assert recs["reduce_scatter"]["busbw_gbps"] == pytest.approx(algbw * 0.75)
     assert recs["allreduce"]["bound_s"] == pytest.approx(8 * (1 << 20) / 1e9)
     assert recs["allgather"]["bound_s"] == pytest.approx(5 * (1 << 20) / 1e9)
+    assert all(r["vs_stock"] == 1.0 for r in recs.values())
 
 
 def test_link_bound_counts_bytes_crossing_each_node_link():
@@ -75,6 +76,38 @@ def test_short_run_writes_every_record(tmp_path):
     for r in records:
         assert REQUIRED <= set(r)
         assert r["time_s"] > 0 and r["busbw_gbps"] > 0 and r["bound_s"] > 0
+
+
+def _deepspeed_reason() -> str | None:
+    """Why DeepSpeed's shm allreduce cannot run here (None: it can); builds it the first time."""
+    import torch
+
+    from slipstream.bench import _ds_shm
+
+    return _ds_shm.prepare(torch.float32, nodes=1).reason
+
+
+def test_short_run_adds_deepspeed_shm_allreduce_checked_against_gloo(tmp_path):
+    reason = _deepspeed_reason()
+    if reason:
+        pytest.skip(f"DeepSpeed's shm allreduce is not available: {reason}")
+    records = _run_short(tmp_path, "stock,deepspeed", "--ops", "allreduce,allgather")
+    # the worker raises (and the run fails) when deepspeed's sums differ from gloo's
+    ds = [r for r in records if r["impl"] == "deepspeed"]
+    assert [(r["op"], r["size_bytes"]) for r in ds] == [("allreduce", 4096), ("allreduce", 65536)]
+    for r in ds:
+        assert r["time_s"] > 0 and r["vs_stock"] > 0 and r["setup_s"] > 0
+        assert r["algorithm"].startswith("shm")
+    assert {r["impl"] for r in records if r["op"] == "allgather"} == {"stock"}
+
+
+@pytest.mark.parametrize("nodes, dtype, why", [(2, "float32", "one node"), (1, "float64", "unreduced")])
+def test_deepspeed_peer_is_dropped_with_a_reason_where_it_cannot_run(nodes, dtype, why):
+    impls = ["stock", "deepspeed"]
+    spec = ClusterSpec(nodes=nodes, ranks_per_node=1, link="1gbit" if nodes > 1 else None)
+    ds = comm._deepspeed_peer(impls, _args(dtype=dtype), spec)
+    assert impls == ["stock"]
+    assert why in comm._peer_line(ds) and comm._peer_line(ds).startswith("deepspeed: absent: ")
 
 
 @pytest.mark.netns

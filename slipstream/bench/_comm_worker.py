@@ -1,9 +1,10 @@
 """One rank of ``slipstream bench comm``; started by torch.distributed.run on every rank.
 
-For each op and size: run slipstream and the stock collective once on the same integer-valued
-input and require identical results (small integers sum exactly in every dtype and order, so
-any difference is a bug, not rounding), warm both up, then time them alternating (which goes
-first flips every iteration). An iteration's time is the slowest rank's, from a barrier to the
+For each op and size: run every implementation (stock, slipstream and, for allreduce,
+DeepSpeed's shm op: see ``_ds_shm.py``) once on the same integer-valued input and require
+results identical to stock's (small integers sum exactly in every dtype and order, so any
+difference is a bug, not rounding), warm them up, then time them alternating (the order rotates
+every iteration). An iteration's time is the slowest rank's, from a barrier to the
 end of the collective; below 4 MiB an iteration runs the collective back to back several times
 (at most 50, as nccl-tests' ``iters`` do) and counts the mean, so that the skew of ranks
 leaving the barrier (a few hundred microseconds with 4 ranks on 2 cores) does not swamp a
@@ -27,11 +28,22 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-# op -> (stock, slipstream), each called as f(comm, out, inp); allreduce works in place on inp.
+# op -> impl -> f(comms, out, inp), comms: impl -> its communicator; allreduce works in place on
+# inp. DeepSpeed's op is an allreduce only.
 _CALLS = {
-    "allreduce": (lambda c, o, i: dist.all_reduce(i), lambda c, o, i: c.all_reduce(i)),
-    "allgather": (lambda c, o, i: _all_gather(o, i), lambda c, o, i: c.all_gather(o, i)),
-    "reduce_scatter": (lambda c, o, i: _reduce_scatter(o, i), lambda c, o, i: c.reduce_scatter(o, i)),
+    "allreduce": {
+        "stock": lambda c, o, i: dist.all_reduce(i),
+        "slipstream": lambda c, o, i: c["slipstream"].all_reduce(i),
+        "deepspeed": lambda c, o, i: c["deepspeed"](i),
+    },
+    "allgather": {
+        "stock": lambda c, o, i: _all_gather(o, i),
+        "slipstream": lambda c, o, i: c["slipstream"].all_gather(o, i),
+    },
+    "reduce_scatter": {
+        "stock": lambda c, o, i: _reduce_scatter(o, i),
+        "slipstream": lambda c, o, i: c["slipstream"].reduce_scatter(o, i),
+    },
 }
 
 
@@ -40,17 +52,16 @@ class _Case:
     """Buffers of one op at one size."""
 
     op: str
-    comm: Any  # slipstream's Communicator, or None when only stock runs
+    comms: dict[str, Any]  # impl -> slipstream's Communicator or DeepSpeed's op, for those that run
     inp: torch.Tensor
     out: torch.Tensor
     source: torch.Tensor  # copied into ``inp`` before every call: in-place ops change it
 
     def run(self, impl: str) -> None:
-        stock, slip = _CALLS[self.op]
-        (slip if impl == "slipstream" else stock)(self.comm, self.out, self.inp)
+        _CALLS[self.op][impl](self.comms, self.out, self.inp)
 
 
-def _case(op: str, numel: int, dtype: torch.dtype, comm: Any, world: int, seed: int) -> _Case:
+def _case(op: str, numel: int, dtype: torch.dtype, comms: dict, world: int, seed: int) -> _Case:
     """``numel`` (a multiple of ``world``) elements in the full buffer: allreduce's tensor,
     allgather's output, reduce-scatter's input. Values are integers in [-8, 8]."""
     gen = torch.Generator().manual_seed(seed * 1000 + dist.get_rank())
@@ -59,15 +70,19 @@ def _case(op: str, numel: int, dtype: torch.dtype, comm: Any, world: int, seed: 
     inp = source.clone()
     out_numel = {"allreduce": 0, "allgather": numel, "reduce_scatter": numel // world}[op]
     out = inp if op == "allreduce" else torch.empty(out_numel, dtype=dtype)
-    return _Case(op, comm, inp, out, source)
+    return _Case(op, comms, inp, out, source)
 
 
 def _algorithm(case: _Case, impl: str) -> str:
     """What the communicator runs for this case (it may hand a call to the stock collective)."""
     if impl == "stock":
         return dist.get_backend()
+    if impl == "deepspeed":
+        from slipstream.bench._ds_shm import algorithm
+
+        return algorithm(case.inp.numel() * case.inp.element_size())
     kind = {"allreduce": "all_reduce", "allgather": "all_gather", "reduce_scatter": "reduce_scatter"}
-    algorithm, why = case.comm.algorithm(case.inp, dist.ReduceOp.SUM, kind[case.op])
+    algorithm, why = case.comms["slipstream"].algorithm(case.inp, dist.ReduceOp.SUM, kind[case.op])
     return f"{algorithm}: {why}" if why else algorithm
 
 
@@ -108,7 +123,7 @@ def _check(case: _Case, impls: list[str], op: str, nbytes: int) -> None:
             bad += 1
     dist.all_reduce(bad)
     if bad.item():
-        raise RuntimeError(f"{op} of {nbytes} bytes: slipstream and stock results differ "
+        raise RuntimeError(f"{op} of {nbytes} bytes: results differ from stock's "
                            "(see the ranks' lines above); refusing to report times")
 
 
@@ -118,7 +133,8 @@ def _measure(case: _Case, impls: list[str], iters: int, warmup: int) -> dict[str
             _timed(case, impl)
     times: dict[str, list[float]] = {impl: [] for impl in impls}
     for i in range(iters):
-        for impl in impls if i % 2 == 0 else impls[::-1]:
+        k = i % len(impls)
+        for impl in impls[k:] + impls[:k]:
             times[impl].append(_timed(case, impl))
     slowest = torch.tensor([times[impl] for impl in impls], dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
@@ -140,27 +156,32 @@ def main() -> None:
     dist.init_process_group("gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
     impls = args.impls.split(",")
-    comm = None
+    comms: dict[str, Any] = {}
     if "slipstream" in impls:
         from slipstream.core_comm import Communicator
 
-        comm = Communicator(None)
+        comms["slipstream"] = Communicator(None)
+    if "deepspeed" in impls:
+        from slipstream.bench._ds_shm import connect
+
+        comms["deepspeed"] = connect(rank, world)
     dtype = getattr(torch, args.dtype)
     itemsize = torch.empty(0, dtype=dtype).element_size()
     records = []
     for op in args.ops.split(","):
         for seed, nbytes in enumerate(int(s) for s in args.sizes.split(",")):
             numel = max(nbytes // itemsize // world, 1) * world
-            case = _case(op, numel, dtype, comm, world, seed)
-            if len(impls) > 1:
-                _check(case, impls, op, numel * itemsize)
-            times = _measure(case, impls, args.iters, args.warmup)
+            case = _case(op, numel, dtype, comms, world, seed)
+            here = [impl for impl in impls if impl in _CALLS[op]]
+            if len(here) > 1:
+                _check(case, here, op, numel * itemsize)
+            times = _measure(case, here, args.iters, args.warmup)
             records += [dict(op=op, size_bytes=numel * itemsize, impl=impl, times_s=times[impl],
-                             algorithm=_algorithm(case, impl)) for impl in impls]
+                             algorithm=_algorithm(case, impl)) for impl in here]
             if rank == 0:
                 print(f"done: {op} {numel * itemsize} bytes", flush=True)
-    if comm is not None:
-        comm.close()
+    if "slipstream" in comms:
+        comms["slipstream"].close()
     if rank == 0:
         with open(args.out, "w") as f:
             json.dump(dict(world_size=world, backend=dist.get_backend(), records=records), f)

@@ -1,10 +1,18 @@
-"""``slipstream bench comm``: collectives, slipstream vs the stock backend, nccl-tests style.
+"""``slipstream bench comm``: collectives, slipstream vs the stock backend vs DeepSpeed's shm
+allreduce, nccl-tests style.
 
 Ranks are started with ``slipstream.cluster.launch``: one local node on loopback, or
-``--nodes`` emulated nodes joined by ``--link``-limited links (root needed). Both
+``--nodes`` emulated nodes joined by ``--link``-limited links (root needed). The
 implementations run in the same processes on the same buffers, alternating; each row is the
-median over ``--iters`` of the slowest rank's time. Results are checked once per size
-(slipstream's output must equal the stock one), and the run fails if they differ.
+median over ``--iters`` of the slowest rank's time. Results are checked once per size (every
+implementation's output must equal the stock one), and the run fails if they differ.
+
+Implementations: ``stock`` (the process group's backend, gloo), ``slipstream`` (its
+Communicator), and ``deepspeed``: the CPU shared-memory allreduce stock DeepSpeed builds
+(``_ds_shm.py`` says what it supports), for allreduce on one node in float32/bfloat16/float16
+only. It is JIT-built the first time (about 1.5 minutes on 2 cores), before the ranks start and outside the
+timings; the report gives that set-up time. Where it cannot run, the report says why in one
+line and the others run.
 
 Columns, as nccl-tests (n ranks, S the full buffer: allreduce's tensor, allgather's output,
 reduce-scatter's input; GB/s are 10^9 bytes/s, so ``*_gbps`` fields are GB/s too):
@@ -38,6 +46,7 @@ from ._output import cpu_model, emit
 __all__ = ["add_arguments", "run"]
 
 OPS = ("allreduce", "allgather", "reduce_scatter")
+IMPLS = ("stock", "slipstream", "deepspeed")
 _BUS_FACTOR = {"allreduce": lambda n: 2 * (n - 1) / n, "allgather": lambda n: (n - 1) / n,
                "reduce_scatter": lambda n: (n - 1) / n}
 _MEMORY_BYTES = {"allreduce": lambda n: 2 * n, "allgather": lambda n: n + 1,
@@ -51,7 +60,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--link", help="tc rate of each node's link, e.g. 1gbit (needed for --nodes > 1)")
     parser.add_argument("--sizes", default="4K,64K,1M,16M", help="buffer sizes (default 4K,64K,1M,16M)")
     parser.add_argument("--ops", default=",".join(OPS), help=f"comma-separated of {', '.join(OPS)}")
-    parser.add_argument("--impls", default="stock,slipstream", help="stock and/or slipstream (default both)")
+    parser.add_argument("--impls", default=",".join(IMPLS),
+                        help="stock, plus slipstream and/or deepspeed (default all three; deepspeed where it runs)")
     parser.add_argument("--iters", type=int, default=10, help="timed iterations per impl (default 10)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed iterations per impl first (default 2)")
     parser.add_argument("--dtype", default="float32", help="torch dtype name (default float32)")
@@ -90,8 +100,8 @@ def _validate(args: argparse.Namespace) -> tuple[ClusterSpec, list[int], list[st
     ops, impls = args.ops.split(","), args.impls.split(",")
     if bad := [o for o in ops if o not in OPS]:
         raise SystemExit(f"unknown op(s) {bad}; choose from {', '.join(OPS)}")
-    if "stock" not in impls or not set(impls) <= {"stock", "slipstream"}:
-        raise SystemExit("--impls must list stock (the reference), optionally with slipstream")
+    if "stock" not in impls or not set(impls) <= set(IMPLS):
+        raise SystemExit("--impls must list stock (the reference), optionally with slipstream and/or deepspeed")
     if "slipstream" in impls:
         try:
             from slipstream.core_comm import Communicator  # noqa: F401
@@ -156,24 +166,48 @@ def _records(raw: dict, spec: ClusterSpec, mem_bw: float, args: argparse.Namespa
                         dtype=args.dtype, world_size=n, nodes=nodes, link=args.link if nodes > 1 else None,
                         time_s=t, algbw_gbps=size / t / 1e9, busbw_gbps=size / t / 1e9 * _BUS_FACTOR[op](n),
                         bound_s=bound, times_s=r["times_s"]))
+    stock = {(r["op"], r["size_bytes"]): r["time_s"] for r in out if r["impl"] == "stock"}
+    for r in out:
+        r["vs_stock"] = stock[(r["op"], r["size_bytes"])] / r["time_s"]  # > 1: faster than stock
     return out
 
 
 def _table(records: list[dict]) -> str:
-    stock = {(r["op"], r["size_bytes"]): r["time_s"] for r in records if r["impl"] == "stock"}
     rows = ["| op | size | impl | time (us) | algbw (GB/s) | busbw (GB/s) | bound (us) | of bound | vs stock |",
             "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
     for r in records:
         impl = f"{r['impl']} ({r['algorithm']})"
-        ratio = "" if r["impl"] == "stock" else f"{stock[(r['op'], r['size_bytes'])] / r['time_s']:.2f}x"
+        ratio = "" if r["impl"] == "stock" else f"{r['vs_stock']:.2f}x"
         rows.append(f"| {r['op']} | {_format_size(r['size_bytes'])} | {impl} | {r['time_s'] * 1e6:.1f} | "
                     f"{r['algbw_gbps']:.3f} | {r['busbw_gbps']:.3f} | {r['bound_s'] * 1e6:.1f} | "
                     f"{r['bound_s'] / r['time_s']:.0%} | {ratio} |")
     return "\n".join(rows)
 
 
+def _peer_line(ds) -> str | None:
+    """One line on DeepSpeed's shm allreduce: why it is absent, or what it is and cost to set up."""
+    if ds is None:
+        return None
+    if ds.reason:
+        return f"deepspeed: absent: {ds.reason}"
+    return (f"deepspeed: DeepSpeed {ds.version}'s CPU shm allreduce (allreduce only, SUM, whole world, one node); "
+            f"import + JIT build or cached load {ds.setup_s:.1f} s, before the ranks started, not in the timings")
+
+
+def _deepspeed_peer(impls: list[str], args: argparse.Namespace, spec: ClusterSpec):
+    """Get DeepSpeed's op ready when asked for; drop it from ``impls`` where it cannot run."""
+    if "deepspeed" not in impls:
+        return None
+    from . import _ds_shm
+
+    ds = _ds_shm.prepare(getattr(torch, args.dtype), spec.nodes)
+    if ds.reason:
+        impls.remove("deepspeed")
+    return ds
+
+
 def _report(records: list[dict], machine: dict, command: str, spec: ClusterSpec, mem_bw: float,
-            load: tuple[float, ...]) -> str:
+            load: tuple[float, ...], peer: str | None = None) -> str:
     m = machine
     where = (f"{spec.nodes} emulated nodes x {spec.ranks_per_node} ranks, link {spec.link} each way"
              if spec.nodes > 1 else f"1 node x {spec.ranks_per_node} ranks (loopback, no emulation)")
@@ -184,9 +218,10 @@ def _report(records: list[dict], machine: dict, command: str, spec: ClusterSpec,
         f"Python {m['python']}, torch {m['torch']}",
         f"command: {command}",
         f"load average (1 min) at start / end: {load[0]:.1f} / {os.getloadavg()[0]:.1f} "
-        f"(other work on the machine slows both implementations)",
+        f"(other work on the machine slows every implementation)",
         f"layout: {where}; dtype {records[0]['dtype']}; time = median of the slowest rank; "
-        f"vs stock = stock time / slipstream time; bound = {bound}",
+        f"vs stock = stock time / this implementation's time; bound = {bound}",
+        *([peer] if peer else []),
         "",
         _table(records),
         "",
@@ -199,6 +234,11 @@ def run(args: argparse.Namespace) -> int:
     mem_bw = memory_bandwidth()
     sys.stdout.write(f"{command}\nmemory copy bandwidth {mem_bw / 1e9:.1f} GB/s\n")
     sys.stdout.flush()
+    ds = _deepspeed_peer(impls, args, spec)
+    peer = _peer_line(ds)
+    if peer:
+        sys.stdout.write(peer + "\n")
+        sys.stdout.flush()
     with tempfile.TemporaryDirectory(prefix="slipstream-bench-") as tmp:
         out = os.path.join(tmp, "raw.json")
         worker = ["-m", "slipstream.bench._comm_worker", "--out", out, "--ops", ",".join(ops),
@@ -208,6 +248,9 @@ def run(args: argparse.Namespace) -> int:
         with open(out) as f:
             raw = json.load(f)
     records = _records(raw, spec, mem_bw, args)
-    report = _report(records, machine, command, spec, mem_bw, load)
+    for r in records:
+        if r["impl"] == "deepspeed":
+            r["setup_s"] = ds.setup_s  # import + build or load, once, outside time_s
+    report = _report(records, machine, command, spec, mem_bw, load, peer)
     emit(report, records, args)
     return 0
