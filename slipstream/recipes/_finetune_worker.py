@@ -15,6 +15,7 @@ import random
 import resource
 import sys
 import time
+from importlib import resources
 from pathlib import Path
 
 import torch
@@ -25,7 +26,7 @@ from .data import generate_alpaca, load_alpaca, pad_batch, tokenize_alpaca
 from .model import build_model
 from .tokenizer import load_tokenizer
 
-CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+CONFIGS = resources.files("slipstream") / "configs"  # zero<N>.json, shipped as package data
 WARMUP_STEPS = 2  # excluded from the throughput medians: lazy set-up of comm and kernels
 
 
@@ -42,9 +43,8 @@ def parse(argv=None) -> argparse.Namespace:
 
 
 def ds_config(args) -> dict:
-    path = args.config or CONFIG_DIR / f"zero{args.zero}.json"
-    with open(path) as f:
-        cfg = json.load(f)
+    path = Path(args.config) if args.config else CONFIGS / f"zero{args.zero}.json"
+    cfg = json.loads(path.read_text())
     cfg["train_micro_batch_size_per_gpu"] = args.batch_size
     cfg["gradient_accumulation_steps"] = args.grad_accum
     cfg.setdefault("zero_optimization", {})["stage"] = args.zero

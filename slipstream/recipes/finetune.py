@@ -37,7 +37,8 @@ def add_arguments(p) -> None:
     p.add_argument("--grad-accum", type=int, default=1)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--config", default=None, help="DeepSpeed JSON (default: configs/zero<N>.json)")
+    p.add_argument("--config", default=None,
+                   help="DeepSpeed JSON (default: the packaged slipstream/configs/zero<N>.json)")
     p.add_argument("--output-dir", default="out/finetune")
     p.add_argument("--no-slipstream", action="store_true", help="stock DeepSpeed only")
     p.add_argument("--compare", action="store_true", help="stock DeepSpeed vs DeepSpeed + slipstream")

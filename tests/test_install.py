@@ -1,0 +1,69 @@
+"""A non-editable install works from any directory: wheel built, installed into a fresh venv,
+``slipstream finetune`` run from an empty directory with that venv's copy of the package."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("deepspeed")
+
+from torch.utils.cpp_extension import get_default_build_root  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+# Build outputs and caches of the checkout: a stale build/lib would end up in the wheel.
+_NOT_SOURCES = shutil.ignore_patterns(".git", "build", "dist", "out", "*.egg-info", "__pycache__",
+                                      ".pytest_cache")
+
+
+def _run(argv: list, *, cwd: Path, env: dict, timeout: float) -> subprocess.CompletedProcess:
+    proc = subprocess.run([str(a) for a in argv], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, (
+        f"{argv} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    )
+    return proc
+
+
+@pytest.mark.slow
+def test_wheel_in_fresh_venv_finetunes_from_an_empty_directory(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
+    # A home of its own: the tokenizer is trained into an empty cache (~3 s), not read from the
+    # user's. DeepSpeed's compiled shm op stays in this machine's cache: built afresh into the new
+    # home it took 85 s of the run's 125 s on 2 cores.
+    env.setdefault("TORCH_EXTENSIONS_DIR", get_default_build_root())
+    home = tmp_path / "home"
+    env.update(HOME=str(home), XDG_CACHE_HOME=str(home / ".cache"), PIP_NO_INDEX="1")
+    src, wheels, venv, workdir = (tmp_path / d for d in ("src", "wheels", "venv", "empty"))
+    shutil.copytree(REPO, src, ignore=_NOT_SOURCES)
+    workdir.mkdir()
+
+    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", wheels, src],
+         cwd=tmp_path, env=env, timeout=300)
+    (wheel,) = wheels.glob("slipstream-*.whl")
+    # torch, deepspeed and transformers come from this interpreter's site-packages, where the
+    # checkout's editable install lives too: the venv's own site-packages come first on
+    # sys.path, ahead of the editable finder (appended to sys.meta_path), so its copy wins.
+    _run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", venv],
+         cwd=tmp_path, env=env, timeout=120)
+    python = venv / "bin" / "python"
+    # --ignore-installed: pip would otherwise try to uninstall the editable install first (it
+    # refuses, being outside the venv, but it should not even try).
+    _run([python, "-m", "pip", "install", "--no-deps", "--ignore-installed", wheel], cwd=tmp_path,
+         env=env, timeout=300)
+
+    where = _run([python, "-c", "import slipstream; print(slipstream.__file__)"], cwd=workdir, env=env,
+                 timeout=120).stdout.strip()
+    assert Path(where).resolve().is_relative_to(venv.resolve()), where
+
+    out = workdir / "run"
+    _run([venv / "bin" / "slipstream", "finetune", "--steps", "2", "--samples", "32", "--max-length",
+          "128", "--batch-size", "4", "--output-dir", out, "--timeout", "300"],
+         cwd=workdir, env=env, timeout=400)
+    assert (out / "slipstream.json").is_file() and (out / "checkpoint-slipstream").is_dir()
+    assert sorted(p.name for p in workdir.iterdir()) == ["run"]
