@@ -13,13 +13,14 @@ DeepSpeed JSON, an accelerate plugin, Megatron arguments); all of them are parse
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
-from .core_comm.config import CommConfig
+from .core_comm.config import CommConfig, check_field
 from .core_compile.varlen import VarlenConfig
 
-__all__ = ["SlipstreamConfig"]
+__all__ = ["SlipstreamConfig", "resolve_comm"]
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -37,21 +38,56 @@ class SlipstreamConfig:
     (``slipstream.cpu_memory``): fewer page faults a step, resident memory stays at its peak."""
 
     @classmethod
-    def from_dict(cls, section: Mapping[str, Any] | None, where: str = "slipstream") -> "SlipstreamConfig":
-        """Parse and validate a section; errors name the offending key, e.g.
-        ``slipstream.comm.slot_bytes``. ``None`` means the section is absent: disabled."""
+    def from_dict(cls, section: Mapping[str, Any] | None, where: str = "slipstream", *,
+                  code: CommConfig | None = None, environ: Mapping[str, str] = os.environ) -> "SlipstreamConfig":
+        """Parse and validate a stack's section; errors name the offending key, e.g.
+        ``slipstream.comm.slot_bytes``. ``None`` means the section is absent: disabled.
+
+        The collectives' settings, first found first (``resolve_comm``): ``code`` (a
+        ``CommConfig`` from ``slipstream.enable(config)``), the section's ``"comm"`` keys, the
+        ``SLIPSTREAM_*`` environment, the defaults."""
         if section is None:
             return cls(enabled=False)
         _require_mapping(section, where)
         _reject_unknown(section, {"enabled", "comm", "varlen", "keep_freed_memory"}, where)
         enabled = _typed(section.get("enabled", True), bool, f"{where}.enabled")
-        comm = _dataclass_from(CommConfig, section.get("comm", {}), f"{where}.comm")
-        varlen_section = dict(section.get("varlen", {}))
+        comm = resolve_comm(code=code, section=section.get("comm", {}), where=f"{where}.comm", environ=environ)
+        varlen_section = section.get("varlen", {})
         _require_mapping(varlen_section, f"{where}.varlen")
+        varlen_section = dict(varlen_section)
         varlen_on = _typed(varlen_section.pop("enabled", bool(varlen_section)), bool, f"{where}.varlen.enabled")
-        varlen = _dataclass_from(VarlenConfig, varlen_section, f"{where}.varlen") if varlen_on else None
+        varlen = _dataclass_from(VarlenConfig, varlen_section, f"{where}.varlen", extra={"enabled"}) if varlen_on else None
         keep = _typed(section.get("keep_freed_memory", True), bool, f"{where}.keep_freed_memory")
         return cls(enabled=enabled, comm=comm, varlen=varlen, keep_freed_memory=keep)
+
+
+def resolve_comm(*, code: CommConfig | None = None, section: Mapping[str, Any] | None = None,
+                 where: str = "slipstream.comm", environ: Mapping[str, str] = os.environ) -> CommConfig:
+    """The one precedence of the collectives' settings on every path: ``code`` (a whole
+    ``CommConfig`` given in code) > a stack's config section (``where`` names it in errors) >
+    ``SLIPSTREAM_*`` variables > the defaults. A bad value is refused naming its key or
+    variable."""
+    section = {} if section is None else section
+    _require_mapping(section, where)
+    by_name = {f.name: f for f in fields(CommConfig)}
+    _reject_unknown(section, set(by_name), where)
+    values = {}
+    for key, value in section.items():
+        values[key] = _typed(value, type(by_name[key].default), f"{where}.{key}")
+        try:
+            check_field(key, values[key])
+        except ValueError as e:
+            raise ValueError(f"{where}.{key}: {e}") from None
+    if code is not None:  # the section is still checked: a typo there is refused, not ignored
+        if not isinstance(code, CommConfig):
+            raise TypeError(f"config must be a CommConfig, got {type(code).__name__}")
+        return code
+    try:
+        return CommConfig.from_env(environ, **values)
+    except ValueError as e:
+        if str(e).startswith("SLIPSTREAM_"):
+            raise
+        raise ValueError(f"{where}: {e}") from None
 
 
 def _require_mapping(value, where: str) -> None:
@@ -75,10 +111,10 @@ def _typed(value, kind: type, where: str):
     return value
 
 
-def _dataclass_from(cls, section, where: str):
+def _dataclass_from(cls, section, where: str, extra: set = frozenset()):
     _require_mapping(section, where)
     by_name = {f.name: f for f in fields(cls)}
-    _reject_unknown(section, set(by_name), where)
+    _reject_unknown(section, set(by_name) | extra, where)
     values = {k: _typed(v, type(by_name[k].default), f"{where}.{k}") for k, v in section.items()}
     try:
         return cls(**values)

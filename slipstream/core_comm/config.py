@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, fields
 from typing import Mapping
 
-__all__ = ["CommConfig"]
+__all__ = ["CommConfig", "check_field"]
 
 _ENV_PREFIX = "SLIPSTREAM_"
 
@@ -47,38 +48,49 @@ class CommConfig:
     """Before every collective, check that all ranks call it with the same size and dtype."""
 
     def __post_init__(self) -> None:
-        for name in ("slot_bytes", "chunk_bytes"):
-            value = getattr(self, name)
-            if value <= 0 or value % 64:
-                raise ValueError(f"{name} must be a positive multiple of 64, got {value}")
-        if not 0 <= self.small_bytes <= self.slot_bytes:
+        for f in fields(self):
+            check_field(f.name, getattr(self, f.name))
+        if self.small_bytes > self.slot_bytes:
             raise ValueError(
                 f"small_bytes must be between 0 and slot_bytes ({self.slot_bytes}), got {self.small_bytes}"
             )
-        if not 1 <= self.connections <= 16:
-            raise ValueError(f"connections must be between 1 and 16, got {self.connections}")
-        if not 0 <= self.port_base < 65536:
-            raise ValueError(f"port_base must be a port number (or 0), got {self.port_base}")
-        if self.min_hierarchical_bytes < 0:
-            raise ValueError(f"min_hierarchical_bytes must be >= 0, got {self.min_hierarchical_bytes}")
-        if self.timeout_s <= 0:
-            raise ValueError(f"timeout_s must be positive, got {self.timeout_s}")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ, **overrides) -> "CommConfig":
-        """``SLIPSTREAM_<FIELD>`` (upper case) for every field, e.g. ``SLIPSTREAM_SHM=0``."""
+        """``SLIPSTREAM_<FIELD>`` (upper case) for every field, e.g. ``SLIPSTREAM_SHM=0``;
+        ``overrides`` (a stack's config section) win over the environment. A bad variable is
+        refused naming it, before any group is built."""
         values: dict = {}
         for f in fields(cls):
-            raw = environ.get(_ENV_PREFIX + f.name.upper())
-            if raw is None:
+            name = _ENV_PREFIX + f.name.upper()
+            raw = environ.get(name)
+            if raw is None or f.name in overrides:
                 continue
             kind = type(f.default)
             try:
                 values[f.name] = _parse_bool(raw) if kind is bool else kind(raw)
+                check_field(f.name, values[f.name])
             except ValueError as e:
-                raise ValueError(f"{_ENV_PREFIX}{f.name.upper()}={raw!r}: {e}") from None
+                raise ValueError(f"{name}={raw!r}: {e}") from None
         values.update(overrides)
         return cls(**values)
+
+
+def check_field(name: str, value) -> None:
+    """Refuse a bad value of field ``name`` with a ``ValueError`` that says why."""
+    if name in ("slot_bytes", "chunk_bytes") and (value <= 0 or value % 64):
+        raise ValueError(f"{name} must be a positive multiple of 64, got {value}")
+    if name == "small_bytes" and value < 0:
+        raise ValueError(f"small_bytes must be >= 0, got {value}")
+    if name == "connections" and not 1 <= value <= 16:
+        raise ValueError(f"connections must be between 1 and 16, got {value}")
+    if name == "port_base" and not 0 <= value < 65536:
+        raise ValueError(f"port_base must be a port number (or 0), got {value}")
+    if name == "min_hierarchical_bytes" and value < 0:
+        raise ValueError(f"min_hierarchical_bytes must be >= 0, got {value}")
+    # nan and inf would switch every bounded wait off
+    if name == "timeout_s" and not (math.isfinite(value) and value > 0):
+        raise ValueError(f"timeout_s must be a positive finite number of seconds, got {value}")
 
 
 def _parse_bool(raw: str) -> bool:
