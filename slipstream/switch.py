@@ -50,6 +50,7 @@ def enable(config: CommConfig | None = None) -> None:
     if _SWITCH.before is None:
         _SWITCH.before = registry.snapshot()
     registry.register(config)
+    registry.install_barrier_shim()
     dist.Backend.default_device_backend_map[_DEVICE] = registry.BACKEND
     # Stacks that name their backend themselves (DeepSpeed) are switched by their adapter,
     # installed when the stack is imported (now, if it already is).

@@ -15,6 +15,7 @@ from torch.testing import assert_close
 import slipstream
 from _dist import run_ranks
 from slipstream.bench._ddp_worker import batch, make_model
+from slipstream.core_comm import counters
 from slipstream.core_comm.backend import SlipstreamProcessGroup
 
 TWO_NODES = [{"SLIPSTREAM_NODE": str(r // 2)} for r in range(4)]
@@ -35,7 +36,8 @@ def _train(rank: int, hook=None, state=None) -> torch.Tensor:
 
 
 def _weights(rank: int, world: int) -> bytes:
-    out = {"plain": _train(rank)}
+    counters.reset()
+    out = {"plain": _train(rank), "counts": counters.snapshot()}
     if not isinstance(dist.group.WORLD, SlipstreamProcessGroup):
         out["hook"] = _train(rank, slipstream.ddp_hook)
         out["hook_state"] = _train(rank, slipstream.ddp_hook, slipstream.DDPHookState(dist.group.WORLD))
@@ -61,6 +63,10 @@ def test_ddp_on_slipstream_and_with_hook_match_gloo(layout):
         assert_close(stock[rank]["hook"], reference, msg=lambda m: f"rank {rank} ddp_hook: {m}")
         assert_close(stock[rank]["hook_state"], reference, msg=lambda m: f"rank {rank} DDPHookState: {m}")
         assert ours[rank]["algorithm"] == ("hierarchical" if layout == "2x2" else "shm")
+        # every bucket of every step through the core (DDP's first-iteration rebuild included)
+        paths = ours[rank]["counts"]["all_reduce"]
+        assert set(paths) <= {"shm", "cma", "hierarchical"} and sum(p["calls"] for p in paths.values()) >= STEPS
+        assert stock[rank]["counts"].get("all_reduce", {}).keys() <= {"shm", "cma", "hierarchical"}
     assert_close(ours[0]["plain"], ours[3]["plain"], rtol=0, atol=0)  # replicas stay identical
 
 

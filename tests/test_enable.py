@@ -2,6 +2,9 @@
 ``init_process_group()`` without a backend, configuration from code and from ``SLIPSTREAM_*``,
 and an exact undo. One process, world size 1, on a HashStore."""
 
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -33,11 +36,31 @@ def _torch_state():
     return B.__dict__.get("SLIPSTREAM"), tables, dist.monitored_barrier, c10d.monitored_barrier
 
 
-def test_import_registers_the_backend_without_changing_defaults():
-    assert "slipstream" in dist.Backend.backend_list
-    assert dist.Backend.default_device_backend_map["cpu"] == "gloo"
-    assert dist.Backend.default_device_backend_map["cuda"] == "nccl"
-    assert dist.monitored_barrier.__wrapped__ is not None  # the shim keeps the original reachable
+IMPORT_SCRIPT = r"""
+import sys
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+barriers = (dist.monitored_barrier, c10d.monitored_barrier)
+maps = dict(dist.Backend.default_device_backend_map)
+import slipstream
+assert "slipstream" in dist.Backend.backend_list
+assert dict(dist.Backend.default_device_backend_map) == maps, "import changed a default backend"
+assert (dist.monitored_barrier, c10d.monitored_barrier) == barriers, "import wrapped monitored_barrier"
+stacks = {"deepspeed", "accelerate", "transformers", "megatron"} & set(sys.modules)
+assert not stacks, f"import slipstream imported {stacks}"
+slipstream.enable()
+assert dist.monitored_barrier.__wrapped__ is barriers[0]  # the shim keeps the original reachable
+slipstream.disable()
+assert (dist.monitored_barrier, c10d.monitored_barrier) == barriers, "disable left monitored_barrier wrapped"
+assert dict(dist.Backend.default_device_backend_map) == maps
+print("ok")
+"""
+
+
+def test_import_registers_the_backend_and_changes_nothing_else():
+    out = subprocess.run([sys.executable, "-c", IMPORT_SCRIPT], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().endswith("ok")
 
 
 def test_enable_makes_slipstream_the_default_and_disable_restores_exactly(undo):

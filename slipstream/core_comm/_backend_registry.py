@@ -1,8 +1,9 @@
 """Registration of the ``slipstream`` backend with torch.distributed, and its exact undo.
 
-``register`` is idempotent; ``snapshot`` / ``restore`` put torch's backend tables (and the
-``monitored_barrier`` shim) back exactly as they were, which is what ``slipstream.disable``
-does. The group class and the communicator are imported only when torch creates a group, so
+``register`` is idempotent and touches only torch's backend tables; the ``monitored_barrier``
+shim is installed by ``slipstream.enable`` and by the creation of a slipstream group, not by
+``import slipstream``. ``snapshot`` / ``restore`` put the tables and the shimmed functions back
+exactly as they were, which is what ``slipstream.disable`` does. The group class and the communicator are imported only when torch creates a group, so
 registering costs no more than importing torch.distributed.
 """
 
@@ -19,7 +20,7 @@ from torch.distributed import distributed_c10d as c10d
 
 from .config import CommConfig
 
-__all__ = ["BACKEND", "register", "restore", "snapshot"]
+__all__ = ["BACKEND", "install_barrier_shim", "register", "restore", "snapshot"]
 
 BACKEND = "slipstream"
 DEVICES = ("cpu", "cuda")
@@ -31,6 +32,7 @@ def _creator(config: CommConfig | None):
     def create_slipstream_group(dist_options, pg_options=None):
         from .backend import create_process_group
 
+        install_barrier_shim()  # torch refuses monitored_barrier on a backend not named gloo
         return create_process_group(dist_options, pg_options, config=config)
 
     create_slipstream_group.config = config  # type: ignore[attr-defined]
@@ -44,14 +46,17 @@ def registered_config(default: Any = None) -> CommConfig | None:
 
 
 def register(config: CommConfig | None = None) -> None:
-    """Register ``slipstream`` (again: with ``config`` bound) and install the
-    ``monitored_barrier`` shim. Changes no default: the cpu and cuda entries of torch's
-    ``default_device_backend_map`` stay as they are."""
+    """Register ``slipstream`` (again: with ``config`` bound). Changes no default: the cpu and
+    cuda entries of torch's ``default_device_backend_map`` stay as they are."""
     if config is not None and not isinstance(config, CommConfig):
         raise TypeError(f"config must be a CommConfig, got {type(config).__name__}")
     plugin = dist.Backend._plugins.get(BACKEND.upper())
     if plugin is None or getattr(plugin.creator_fn, "config", _MISSING) is not config:
         dist.Backend.register_backend(BACKEND, _creator(config), extended_api=True, devices=list(DEVICES))
+
+
+def install_barrier_shim() -> None:
+    """Let ``monitored_barrier`` run on slipstream groups (idempotent)."""
     for module in (dist, c10d):
         if not getattr(module.monitored_barrier, _MARKER, False):
             module.monitored_barrier = _monitored_barrier(module.monitored_barrier)

@@ -12,19 +12,22 @@ for CUDA tensors, both built from the group's store. Three collectives go throug
     reduce_scatter_single ``dist.reduce_scatter_single`` / ``reduce_scatter_tensor``
                           (torch < 2.13: ``_reduce_scatter_base``)
 
-The coalesced forms of the last two (``allgather_into_tensor_coalesced``,
-``reduce_scatter_tensor_coalesced``) make one such call per tensor pair. Everything else
+The coalesced forms (``allreduce_coalesced``, ``all_gather_single_coalesced``,
+``reduce_scatter_single_coalesced``: what torch's coalescing manager issues for FSDP and
+Megatron) go through the core as one operation over the tensors. Everything else
 (broadcast, barrier, send/recv, all_to_all, gather/scatter, list all-gather and
-reduce-scatter, the object collectives built on them, allreduce_coalesced, monitored_barrier)
-goes to the stock backend registered for the tensors' device, so it behaves exactly as with
+reduce-scatter, the object collectives built on them, monitored_barrier) goes to the stock
+backend registered for the tensors' device, so it behaves exactly as with
 ``"cpu:gloo,cuda:nccl"`` (see "delegated collectives" below for why the methods torch's
-trampoline covers are spelled out here). So does an accelerated call
-that the core refuses: several tensors, a per-call timeout, AVG or PREMUL_SUM (gloo rejects
-them; so do we), an unsupported dtype or device, a size the plan routes to the stock path,
-CUDA tensors where NCCL exists.
+trampoline covers are spelled out here). So does an accelerated call that the core's routing
+rule (``routing.refusal``) refuses, or that has a per-call timeout, a size the plan routes to
+the stock path, or CUDA tensors where NCCL exists. Ops: SUM, AVG, PREMUL_SUM, PRODUCT, MAX,
+MIN as the routing rule allows. Each call is counted under the path it took
+(``core_comm.counters``).
 
-The communicator runs over a gloo "twin" of the group's ranks, a registered group built on the
-first call that can use it (a collective: every rank of the group makes that call). Its own
+The communicator comes from the core's pool (``pool.get(group)``) and runs over a gloo "twin"
+of the group's ranks, built on the first call that can use it (a collective: every rank of
+the group makes that call). Its own
 collectives (topology exchange, node subgroups) therefore run on gloo groups and never come
 back here. Subgroups made with ``new_group(backend=None)`` on a slipstream default group are
 slipstream groups themselves, each with its own twin, built by its members only.
@@ -43,15 +46,17 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import (
     AllgatherOptions,
+    AllreduceCoalescedOptions,
     AllreduceOptions,
     ReduceScatterOptions,
     _create_work_from_future,
 )
 
 from ._backend_registry import BACKEND
+from . import counters, pool
 from .communicator import Communicator, as_torch_future
 from .config import CommConfig
-from .shm import ShmComm
+from .routing import refusal
 
 __all__ = ["BACKEND", "SlipstreamProcessGroup", "create_process_group"]
 
@@ -59,8 +64,6 @@ log = logging.getLogger("slipstream.backend")
 
 ReduceOp = dist.ReduceOp
 BackendType = dist.ProcessGroup.BackendType
-# gloo has no AVG; PREMUL_SUM is a NCCL feature. A call the stock path rejects is rejected here.
-_FAST_OPS = (ReduceOp.SUM, ReduceOp.PRODUCT, ReduceOp.MAX, ReduceOp.MIN)
 _UNSET_TIMEOUT = AllreduceOptions().timeout  # -1 ms: "the group's timeout"
 
 
@@ -83,8 +86,6 @@ class SlipstreamProcessGroup(dist.ProcessGroup):
         if self._nccl is not None:
             self._register_backend(torch.device("cuda"), BackendType.NCCL, self._nccl)
         self._set_default_backend(BackendType.GLOO)
-        # the fast path, built on the first call that can use it
-        self._comm: Communicator | None = None
 
     def getBackendName(self) -> str:  # noqa: N802 - torch's name (``pg.name()``)
         return BACKEND
@@ -93,29 +94,44 @@ class SlipstreamProcessGroup(dist.ProcessGroup):
         return f"SlipstreamProcessGroup(rank={self._rank}, size={self._size}, ranks={list(self._global_ranks)})"
 
     @property
+    def global_ranks(self) -> tuple[int, ...]:
+        return self._global_ranks
+
+    @property
     def communicator(self) -> Communicator | None:
         """The core's communicator of this group; None until the first accelerated call."""
-        return self._comm
+        return pool.peek(self)
 
     # ---------------------------------------------------------------- accelerated collectives
 
     def allreduce(self, tensors, opts=AllreduceOptions()):
         tensors, opts = _as_list(tensors), _as_opts(opts, AllreduceOptions)
-        op = opts.reduceOp.op
-        if len(tensors) != 1:
+        op = opts.reduceOp
+        if len(tensors) != 1:  # gloo's several-tensors form reduces across them too: stock
             return self._stock(tensors[0]).allreduce(tensors, opts)
         tensor = tensors[0]
-        comm = self._fast(tensor, op, opts, "all_reduce")
+        comm = self._fast(tensor, op, opts, "all_reduce", nbytes=_nbytes(tensor))
         if comm is None:
             return self._stock(tensor).allreduce(tensors, opts)
         return _launch(lambda a: comm.all_reduce(tensor, op, async_op=a), tensors, opts)
+
+    def allreduce_coalesced(self, tensors, opts=AllreduceCoalescedOptions()):
+        """Every tensor all-reduced, as one operation over a flat buffer."""
+        opts = _as_opts(opts, AllreduceCoalescedOptions)
+        op = opts.reduceOp
+        comm = None
+        if tensors and all(t.dtype == tensors[0].dtype for t in tensors):
+            comm = self._fast(tensors[0], op, opts, "all_reduce_coalesced", *tensors[1:], nbytes=_nbytes(*tensors))
+        if comm is None:
+            return self._stock(_first_tensor([tensors])).allreduce_coalesced(tensors, opts)
+        return _launch(lambda a: comm.all_reduce_coalesced(tensors, op, async_op=a), tensors, opts)
 
     def all_gather_single(self, output, input, opts=AllgatherOptions()):
         """``output`` holds ``size()`` blocks of ``input``'s shape, in group-rank order."""
         opts = _as_opts(opts, AllgatherOptions)
         comm = None
         if _fits(output, input, self._size, gather=True):
-            comm = self._fast(input, ReduceOp.SUM, opts, "all_gather", output)
+            comm = self._fast(input, ReduceOp.SUM, opts, "all_gather", output, nbytes=_nbytes(output))
         if comm is None:
             return self._stock(input)._allgather_base(output, input, opts)
         return _launch(lambda a: comm.all_gather(output, input, async_op=a), [output], opts)
@@ -123,13 +139,30 @@ class SlipstreamProcessGroup(dist.ProcessGroup):
     def reduce_scatter_single(self, output, input, opts=ReduceScatterOptions()):
         """``input`` holds ``size()`` blocks of ``output``'s shape; block r reduces into rank r."""
         opts = _as_opts(opts, ReduceScatterOptions)
-        op = opts.reduceOp.op
+        op = opts.reduceOp
         comm = None
         if _fits(output, input, self._size, gather=False):
-            comm = self._fast(input, op, opts, "reduce_scatter", output)
+            comm = self._fast(input, op, opts, "reduce_scatter", output, nbytes=_nbytes(input))
         if comm is None:
             return self._stock(input)._reduce_scatter_base(output, input, opts)
         return _launch(lambda a: comm.reduce_scatter(output, input, op, async_op=a), [output], opts)
+
+    def all_gather_single_coalesced(self, outputs, inputs, opts=AllgatherOptions()):
+        """Coalesced ``all_gather_into_tensor``: one operation over the pairs."""
+        opts = _as_opts(opts, AllgatherOptions)
+        comm = self._fast_pairs(outputs, inputs, ReduceOp.SUM, opts, "all_gather_coalesced", gather=True)
+        if comm is None:  # the stock bindings have no coalesced form: one call per pair
+            return _all_of([self.all_gather_single(o, i, opts) for o, i in zip(outputs, inputs)], outputs)
+        return _launch(lambda a: comm.all_gather_coalesced(outputs, inputs, async_op=a), outputs, opts)
+
+    def reduce_scatter_single_coalesced(self, outputs, inputs, opts=ReduceScatterOptions()):
+        """Coalesced ``reduce_scatter_tensor``: one operation over the pairs."""
+        opts = _as_opts(opts, ReduceScatterOptions)
+        op = opts.reduceOp
+        comm = self._fast_pairs(outputs, inputs, op, opts, "reduce_scatter_coalesced", gather=False)
+        if comm is None:
+            return _all_of([self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs)], outputs)
+        return _launch(lambda a: comm.reduce_scatter_coalesced(outputs, inputs, op, async_op=a), outputs, opts)
 
     # torch < 2.13 calls these names.
     _allgather_base = all_gather_single
@@ -150,9 +183,6 @@ class SlipstreamProcessGroup(dist.ProcessGroup):
     def allgather(self, *args, **kwargs):
         return self._stock(_first_tensor(args, kwargs)).allgather(*args, **kwargs)
 
-    def allreduce_coalesced(self, *args, **kwargs):
-        return self._stock(_first_tensor(args, kwargs)).allreduce_coalesced(*args, **kwargs)
-
     def all_to_all_single(self, *args, **kwargs):
         return self._stock(_first_tensor(args, kwargs)).alltoall_base(*args, **kwargs)
 
@@ -171,17 +201,6 @@ class SlipstreamProcessGroup(dist.ProcessGroup):
     def recv(self, *args, **kwargs):
         return self._stock(_first_tensor(args, kwargs)).recv(*args, **kwargs)
 
-    def all_gather_single_coalesced(self, outputs, inputs, opts=AllgatherOptions()):
-        """Coalesced ``all_gather_into_tensor``: one ``all_gather_single`` per pair (the stock
-        backends' bindings do not expose the coalesced form)."""
-        opts = _as_opts(opts, AllgatherOptions)
-        return _all_of([self.all_gather_single(o, i, opts) for o, i in zip(outputs, inputs)], outputs)
-
-    def reduce_scatter_single_coalesced(self, outputs, inputs, opts=ReduceScatterOptions()):
-        """Coalesced ``reduce_scatter_tensor``: one ``reduce_scatter_single`` per pair."""
-        opts = _as_opts(opts, ReduceScatterOptions)
-        return _all_of([self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs)], outputs)
-
     # the names torch < 2.13 looks for
     alltoall_base = all_to_all_single
     allgather_into_tensor_coalesced = all_gather_single_coalesced
@@ -190,11 +209,10 @@ class SlipstreamProcessGroup(dist.ProcessGroup):
     # ---------------------------------------------------------------- life cycle
 
     def shutdown(self) -> None:
-        """Called by ``destroy_process_group``: finish pending fast calls, release shared
-        memory, then shut the stock backends down."""
-        comm, self._comm = self._comm, None
-        if comm is not None:
-            comm.close()
+        """Called by ``destroy_process_group``: finish this group's pending fast calls and
+        release its shared memory (other groups' communicators stay), then shut the stock
+        backends down."""
+        pool.close(self)
         super().shutdown()
 
     # ---------------------------------------------------------------- routing
@@ -205,45 +223,50 @@ class SlipstreamProcessGroup(dist.ProcessGroup):
             return self._nccl
         return self._gloo
 
-    def _fast(self, tensor, op, opts, kind, *others) -> Communicator | None:
-        """The communicator if this call takes the fast path, else None (stock).
+    def _fast(self, tensor, op, opts, kind, *others, nbytes: int) -> Communicator | None:
+        """The communicator if this call takes the fast path, else None (stock, counted).
 
         Decided from what every rank of a correct program passes alike (device, dtype, op,
         size, options), so all ranks decide the same; the first time it says yes, every rank
         builds the communicator (collective)."""
-        if not self._eligible(tensor, op, opts, others):
-            return None
-        comm = self._communicator()
-        algo, why = comm.algorithm(tensor, op, kind)
-        if algo == "stock":
-            log.debug("slipstream %s of %s %s: stock %s: %s", kind, tuple(tensor.shape),
-                      tensor.dtype, self._stock(tensor).name(), why)
-            return None
-        return comm
+        why = self._refusal(tensor, op, opts, others)
+        comm = None
+        if why is None:
+            comm = pool.get(self, config=self._config)
+            algo, why = comm.algorithm(tensor, op, kind.replace("_coalesced", ""))
+            if algo != "stock":
+                return comm
+        log.debug("slipstream %s of %s %s: stock %s: %s", kind, tuple(tensor.shape), tensor.dtype,
+                  self._stock(tensor).name(), why)
+        counters.count(kind, "stock", nbytes)
+        return None
 
-    def _eligible(self, tensor, op, opts, others) -> bool:
-        if self._size == 1 or not self._config.shm:
-            return False
-        if opts.timeout != _UNSET_TIMEOUT or op not in _FAST_OPS:
-            return False
+    def _fast_pairs(self, outputs, inputs, op, opts, kind, *, gather: bool) -> Communicator | None:
+        if not inputs or len(outputs) != len(inputs):
+            return None
+        if not all(_fits(o, i, self._size, gather=gather) and i.dtype == inputs[0].dtype
+                   for o, i in zip(outputs, inputs)):
+            return None
+        big = outputs if gather else inputs
+        return self._fast(inputs[0], op, opts, kind, *inputs[1:], *outputs, nbytes=_nbytes(*big))
+
+    def _refusal(self, tensor, op, opts, others) -> str | None:
+        if self._size == 1:
+            return "the group has one rank"
+        if not self._config.shm:
+            return "shared memory is disabled (SLIPSTREAM_SHM=0)"
+        if opts.timeout != _UNSET_TIMEOUT:
+            return "a per-call timeout is the stock backend's"
         if tensor.device.type == "cuda" and self._nccl is not None:
-            return False  # NCCL beats staging through host memory
-        if any(t.device != tensor.device or t.layout != torch.strided for t in (tensor, *others)):
-            return False
-        return ShmComm.supports(tensor.new_empty(0, device="cpu"), op) is None
-
-    def _communicator(self) -> Communicator:
-        if self._comm is None:
-            from .groups import new_gloo_group
-
-            twin = new_gloo_group(list(self._global_ranks))
-            self._comm = Communicator(twin, config=self._config)
-            log.info("slipstream group of ranks %s: communicator over gloo twin; %s",
-                     list(self._global_ranks), self._comm.unavailable or "fast paths available")
-        return self._comm
+            return "CUDA tensor on a group with NCCL"  # NCCL beats staging through host memory
+        return refusal(tensor, op, others)
 
 
 # -------------------------------------------------------------------- helpers
+
+
+def _nbytes(*tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def _as_list(tensors) -> list:

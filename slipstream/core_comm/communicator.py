@@ -11,6 +11,13 @@ topology of the group:
     stock         everything else: the group's own collective, with a debug log line saying why
 
 The choice depends only on what every rank sees alike, so all ranks choose the same.
+
+The routing rule lives here, and the backend asks it (``refusal``) before it builds a
+communicator: ops SUM, AVG (floating dtypes), PREMUL_SUM (scale, then SUM), PRODUCT, MAX and
+MIN with gloo's semantics, on CPU (or staged CUDA) tensors of the shared-memory dtypes,
+strided, all on one device. The coalesced forms (``all_reduce_coalesced``, coalesced
+reduce-scatter and all-gather) run as one operation over one flat buffer. Every call is
+counted under the path it took (``counters``).
 """
 
 from __future__ import annotations
@@ -23,11 +30,13 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
+from . import counters
 from ._compat import all_gather_into_tensor, reduce_scatter_tensor
 from .cma import MIN_BYTES as CMA_MIN_BYTES, CmaComm
 from .config import CommConfig
 from .groups import group_ranks, node_subgroups
 from .hierarchical import Hierarchical
+from .routing import check_coalesced, chain, refusal, split_op, unflatten
 from .shm import ShmComm, ShmError, _check_sizes, is_supported_platform
 from .staging import CudaStaging
 from .topology import Topology, detect_topology
@@ -177,10 +186,7 @@ class Communicator:
                 return "stock", "CUDA staging is disabled", choice
             if "nccl" in str(dist.get_backend(self.group)):
                 return "stock", "CUDA tensor on a group with NCCL", choice
-        elif tensor.device.type != "cpu":
-            return "stock", f"device {tensor.device} is not supported", choice
-        probe = tensor if tensor.device.type == "cpu" else tensor.new_empty(0, device="cpu")
-        reason = ShmComm.supports(probe, op)
+        reason = refusal(tensor, op)
         if reason:
             return "stock", reason, choice
         nbytes = tensor.numel() * tensor.element_size()
@@ -196,7 +202,8 @@ class Communicator:
             return ("staged" if staged else "shm"), "", choice
         return "stock", self.unavailable or "no fast path for this topology", choice
 
-    def _choose(self, kind: str, tensor: torch.Tensor, op, others=()) -> str:
+    def _choose(self, kind: str, tensor: torch.Tensor, op, others=(), nbytes: int | None = None):
+        """``(algorithm, plan choice, path label)`` for this call, counted under the label."""
         for other in others:
             if other.device != tensor.device:
                 raise ValueError(f"{kind}: tensors on different devices: {tensor.device} and {other.device}")
@@ -206,10 +213,14 @@ class Communicator:
         if algo == "stock":
             log.debug("slipstream %s of %s %s (%s): stock collective: %s",
                       kind, tuple(tensor.shape), tensor.dtype, op, why)
-        return algo, choice
+        nbytes = tensor.numel() * tensor.element_size() if nbytes is None else nbytes
+        label = algo
+        if algo == "shm" and self._intra(kind, nbytes) is self.cma:
+            label = "cma"
+        return algo, choice, label
 
     def _check_same_call(self, kind, tensor, op) -> None:
-        mine = (kind, tensor.numel(), str(tensor.dtype), tensor.device.type, str(op))
+        mine = (kind, tensor.numel(), str(tensor.dtype), tensor.device.type, str(split_op(op)))
         every: list = [None] * self.world
         dist.all_gather_object(every, mine, group=self.group)
         differ = [r for r, call in enumerate(every) if call != mine]
@@ -223,28 +234,83 @@ class Communicator:
 
     def all_reduce(self, tensor: torch.Tensor, op=ReduceOp.SUM, async_op: bool = False):
         """In place, like ``dist.all_reduce``; returns a ``Work`` when ``async_op``."""
-        algo, choice = self._choose("all_reduce", tensor, op)
-        if algo == "stock":
-            return dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op)
-        chunk = choice.chunk_bytes if choice is not None else None
-        return self._run(lambda: self._all_reduce(algo, tensor, op, chunk), async_op)
+        return self._all_reduce_as("all_reduce", tensor, op, async_op)
+
+    def _all_reduce_as(self, counted: str, tensor: torch.Tensor, op, async_op: bool):
+        algo, choice, label = self._choose("all_reduce", tensor, op)
+        with counters.record(counted, label, tensor.numel() * tensor.element_size()):
+            if algo == "stock":
+                return dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op)
+            chunk = choice.chunk_bytes if choice is not None else None
+            return self._run(lambda: self._all_reduce(algo, tensor, op, chunk), async_op)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op=ReduceOp.SUM,
                        async_op: bool = False):
         """Like ``dist.reduce_scatter_tensor``: ``input`` holds ``world`` blocks of ``output``'s size."""
-        _check_sizes("reduce_scatter", output, input, self.world)
-        algo, _ = self._choose("reduce_scatter", input, op, (output,))
-        if algo == "stock":
-            return reduce_scatter_tensor(output, input, op=op, group=self.group, async_op=async_op)
-        return self._run(lambda: self._resize("reduce_scatter", algo, output, input, op), async_op)
+        return self._resize_as("reduce_scatter", "reduce_scatter", output, input, op, async_op)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
         """Like ``dist.all_gather_into_tensor``; ``input`` may be a view into ``output``."""
-        _check_sizes("all_gather", output, input, self.world)
-        algo, _ = self._choose("all_gather", input, ReduceOp.SUM, (output,))
-        if algo == "stock":
-            return all_gather_into_tensor(output, input, group=self.group, async_op=async_op)
-        return self._run(lambda: self._resize("all_gather", algo, output, input, None), async_op)
+        return self._resize_as("all_gather", "all_gather", output, input, None, async_op)
+
+    def _resize_as(self, counted: str, kind: str, output, input, op, async_op: bool):
+        _check_sizes(kind, output, input, self.world)
+        big = output if kind == "all_gather" else input
+        nbytes = big.numel() * big.element_size()
+        algo, _, label = self._choose(kind, input, ReduceOp.SUM if op is None else op, (output,), nbytes)
+        with counters.record(counted, label, nbytes):
+            if algo == "stock" and kind == "all_gather":
+                return all_gather_into_tensor(output, input, group=self.group, async_op=async_op)
+            if algo == "stock":
+                return reduce_scatter_tensor(output, input, op=op, group=self.group, async_op=async_op)
+            return self._run(lambda: self._resize(kind, algo, output, input, op), async_op)
+
+    # The coalesced forms: one operation over one flat buffer, so a bucket of many small
+    # tensors costs one synchronisation instead of one per tensor.
+
+    def all_reduce_coalesced(self, tensors: list, op=ReduceOp.SUM, async_op: bool = False):
+        """``all_reduce`` of each tensor (same dtype and device), as one call."""
+        check_coalesced("all_reduce_coalesced", tensors)
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        work = self._all_reduce_as("all_reduce_coalesced", flat, op, async_op)
+        return self._then(work, lambda: unflatten(flat, tensors))
+
+    def reduce_scatter_coalesced(self, outputs: list, inputs: list, op=ReduceOp.SUM, async_op: bool = False):
+        """``reduce_scatter`` of each pair, as one call: the inputs' rank-r blocks are laid
+        side by side, so rank r receives its blocks of every input in one shard."""
+        check_coalesced("reduce_scatter_coalesced", inputs, outputs)
+        for o, i in zip(outputs, inputs):
+            _check_sizes("reduce_scatter", o, i, self.world)
+        flat_in = torch.cat([i.reshape(self.world, -1) for i in inputs], dim=1).reshape(-1)
+        flat_out = flat_in.new_empty(flat_in.numel() // self.world)
+        work = self._resize_as("reduce_scatter_coalesced", "reduce_scatter", flat_out, flat_in, op, async_op)
+        return self._then(work, lambda: unflatten(flat_out, outputs))
+
+    def all_gather_coalesced(self, outputs: list, inputs: list, async_op: bool = False):
+        """``all_gather`` of each pair, as one call."""
+        check_coalesced("all_gather_coalesced", inputs, outputs)
+        for o, i in zip(outputs, inputs):
+            _check_sizes("all_gather", o, i, self.world)
+        flat_in = torch.cat([i.reshape(-1) for i in inputs])
+        flat_out = flat_in.new_empty(flat_in.numel() * self.world)
+
+        def scatter_back() -> None:
+            rows = flat_out.view(self.world, -1)
+            at = 0
+            for o, i in zip(outputs, inputs):
+                o.view(self.world, -1).copy_(rows[:, at:at + i.numel()])
+                at += i.numel()
+
+        work = self._resize_as("all_gather_coalesced", "all_gather", flat_out, flat_in, None, async_op)
+        return self._then(work, scatter_back)
+
+    @staticmethod
+    def _then(work, finish):
+        """Run ``finish`` after ``work`` (None: the call was synchronous and is done)."""
+        if work is None:
+            finish()
+            return None
+        return Work(chain(work, finish))
 
     # ---------------------------------------------------------------- execution
 
@@ -275,6 +341,9 @@ class Communicator:
             self.hier.all_reduce(flat, op, chunk_bytes=chunk_bytes)
 
     def _all_reduce(self, algo, tensor, op, chunk_bytes) -> None:
+        op, factor = split_op(op)
+        if factor is not None:
+            tensor.mul_(factor)
         if algo == "local":
             return
         work = tensor if tensor.is_contiguous() else tensor.contiguous()
@@ -288,6 +357,10 @@ class Communicator:
     def _resize(self, kind, algo, output, input, op) -> None:
         """Reduce-scatter or allgather (``kind``): collectives whose output and input differ
         in size by the world size."""
+        if op is not None:
+            op, factor = split_op(op)
+            if factor is not None:  # the caller's input stays as it was, as with NCCL
+                input = input * factor
         if algo == "local":
             output.copy_(input.view_as(output))
         elif algo == "staged":
@@ -333,3 +406,4 @@ def _invoke(impl, kind: str, output, input, op) -> None:
         impl.reduce_scatter(output, input, op)
     else:
         impl.all_gather(output, input)
+

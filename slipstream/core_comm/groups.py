@@ -16,7 +16,10 @@ so a second group of the same ranks gets a name of its own.
 
 from __future__ import annotations
 
+import hashlib
+
 import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
 
 from .topology import Topology
 
@@ -49,5 +52,28 @@ def node_subgroups(
 
 
 def new_gloo_group(ranks: list[int]) -> dist.ProcessGroup:
-    """A new gloo group of ``ranks`` (global); collective over those ranks only."""
-    return dist.new_group(sorted(ranks), backend=SUBGROUP_BACKEND, use_local_synchronization=True)
+    """A new gloo group of ``ranks`` (global); collective over those ranks only.
+
+    torch names a locally synchronised group by its ranks and the number of groups alive
+    (``_hash_ranks_to_str``, torch 2.13). Once a group is destroyed that number falls, and a
+    new group of the same ranks can get the name of one still alive: ``new_group`` then raises
+    "group name has already been created". The names torch would pick are skipped by counting
+    placeholders while it names the group; every member has the same groups, so all skip alike.
+    """
+    names = c10d._world.pg_names
+    ranks = sorted(ranks)
+    pads: list = []
+    try:
+        while _hashed_name(ranks, len(names)) in names.values():
+            pads.append(object())
+            names[pads[-1]] = ""
+        return dist.new_group(ranks, backend=SUBGROUP_BACKEND, use_local_synchronization=True)
+    finally:
+        for pad in pads:
+            names.pop(pad, None)
+
+
+def _hashed_name(ranks: list[int], alive: int) -> str:
+    """The name torch 2.13 gives a locally synchronised group of ``ranks`` (sorted)."""
+    text = "_".join(["_".join(map(str, ranks)), str(alive)])
+    return hashlib.sha1(text.encode(), usedforsecurity=False).hexdigest()

@@ -1,0 +1,116 @@
+"""One communicator per process group, for every entry point: the backend, the DDP hook, the
+adapters' stand-ins, the tuner.
+
+    comm = pool.get(group)               # collective on first use: every member calls it
+    comm = pool.get(group, tuned=True)   # running the tuner's cached plan (else its cost model)
+    pool.close(group)                    # that group's communicator only
+
+A communicator is built on the first ``get`` of its group (a collective: node subgroups,
+shared memory) and kept until ``close(group)`` or until torch forgets the group
+(``destroy_process_group``), when the next ``get`` builds a new one. A ``get`` that asks for
+other settings than the communicator was built with keeps the built one and says so once
+(rebuilding would be a collective the other ranks are not in).
+
+A slipstream group's communicator runs over a gloo "twin" of its ranks, so the core's own
+collectives (topology exchange, subgroups) never come back to the slipstream backend.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import torch.distributed as dist
+
+from .communicator import Communicator
+from .config import CommConfig
+
+__all__ = ["CommunicatorPool", "close", "close_all", "get", "peek"]
+
+log = logging.getLogger("slipstream.comm")
+
+
+class CommunicatorPool:
+    """Communicators by process group (None: WORLD)."""
+
+    __slots__ = ("_comms", "_warned", "_lock")
+
+    def __init__(self) -> None:
+        self._comms: dict = {}  # group -> Communicator
+        self._warned: set = set()  # (group, config) pairs already warned about
+        self._lock = threading.RLock()
+
+    def get(self, group: dist.ProcessGroup | None = None, *, config: CommConfig | None = None,
+            tuned: bool = False) -> Communicator:
+        """The communicator of ``group``; built (collectively) on first use with ``config``
+        (None: ``CommConfig.from_env()``), running the tuner's plan when ``tuned``."""
+        key = _key(group)
+        with self._lock:
+            comm = self._comms.get(key)
+            if comm is not None and not _alive(key):
+                self._comms.pop(key).close()
+                comm = None
+            if comm is None:
+                comm = self._comms[key] = _build(key, config, tuned)
+            elif config is not None and config != comm.config and (key, config) not in self._warned:
+                self._warned.add((key, config))
+                log.warning("slipstream: the communicator of group %s was built with %s; keeping it, "
+                            "not %s (destroy the group or close it to change settings)", _ranks(key),
+                            comm.config, config)
+            return comm
+
+    def peek(self, group: dist.ProcessGroup | None = None) -> Communicator | None:
+        """The built communicator of ``group``, or None; never builds."""
+        with self._lock:
+            return self._comms.get(_key(group))
+
+    def close(self, group: dist.ProcessGroup | None = None) -> None:
+        """Close ``group``'s communicator (finishing its pending calls); others stay."""
+        with self._lock:
+            comm = self._comms.pop(_key(group), None)
+        if comm is not None:
+            comm.close()
+
+    def close_all(self) -> None:
+        with self._lock:
+            comms, self._comms = list(self._comms.values()), {}
+        for comm in comms:
+            comm.close()
+
+
+def _key(group):
+    return dist.group.WORLD if group is None else group
+
+
+def _alive(group) -> bool:
+    """Whether torch still knows ``group`` (a destroyed group's entry is stale)."""
+    return dist.is_initialized() and group in dist.distributed_c10d._world.pg_map
+
+
+def _ranks(group) -> list[int]:
+    try:
+        return dist.get_process_group_ranks(group)
+    except (RuntimeError, ValueError):
+        return []
+
+
+def _build(group, config: CommConfig | None, tuned: bool) -> Communicator:
+    from .backend import SlipstreamProcessGroup
+    from .groups import new_gloo_group
+
+    over = group
+    if isinstance(group, SlipstreamProcessGroup):
+        over = new_gloo_group(list(group.global_ranks))
+    if tuned:
+        from .tuner import tuned_communicator
+
+        return tuned_communicator(over, config=config)
+    return Communicator(over, config=config)
+
+
+# The process's pool: a communicator belongs to its group, and a group to the process.
+_POOL = CommunicatorPool()
+get = _POOL.get
+peek = _POOL.peek
+close = _POOL.close
+close_all = _POOL.close_all

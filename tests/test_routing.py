@@ -1,0 +1,196 @@
+"""The core's one routing rule and pool, through the ``slipstream`` backend against gloo on the
+same ranks: AVG, PREMUL_SUM, MAX/MIN with NaN, the coalesced forms torch's coalescing manager
+issues, per-path counters that prove the fast path was taken, the profiler range, and one
+group's destruction leaving the others working."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.testing import assert_close
+
+import slipstream  # noqa: F401 - registers the backend in the ranks that unpickle this module
+from _dist import run_ranks
+from slipstream.core_comm import counters, pool
+
+ReduceOp = dist.ReduceOp
+FAST = {"shm", "cma", "hierarchical"}
+
+
+def _bytes(obj) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _load(results: list) -> list:
+    return [torch.load(io.BytesIO(b), weights_only=False) for b in results]
+
+
+def _values(rank: int, numel: int, dtype=torch.float32, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed * 100 + rank)
+    return torch.randint(-8, 9, (numel,), generator=gen).to(dtype)
+
+
+def _with_nans(rank: int, numel: int) -> torch.Tensor:
+    t = _values(rank, numel, seed=2)
+    t[rank] = float("nan")  # every rank's NaN at its own index, and rank 1's at 100 too
+    t[100] = float("nan") if rank == 1 else t[100]
+    return t
+
+
+def _premul(factor: float):
+    """PREMUL_SUM(factor), a NCCL op gloo refuses: on gloo the reference scales, then sums."""
+    if dist.get_backend() == "gloo":
+        return None
+    return dist._make_nccl_premul_sum(factor)
+
+
+def _ops_and_coalesced(rank: int, world: int) -> bytes:
+    counters.reset()
+    out: dict = {}
+    for name, numel in [("small", 1000), ("large", 300_000)]:
+        t = _values(rank, numel, seed=numel)
+        dist.all_reduce(t, op=ReduceOp.AVG)
+        out[f"avg_{name}"] = t
+        t = _values(rank, numel, seed=numel + 1)
+        op = _premul(0.25)
+        dist.all_reduce(t.mul_(0.25) if op is None else t, op=op or ReduceOp.SUM)
+        out[f"premul_{name}"] = t
+    for op in (ReduceOp.MAX, ReduceOp.MIN):
+        for numel in (5000, 300_000):
+            t = _with_nans(rank, numel)
+            dist.all_reduce(t, op=op)
+            out[f"_nan_{op}_{numel}"] = t  # compared with torch's semantics, not gloo's
+    n = 20_000
+    o = torch.empty(n)
+    inp = _values(rank, world * n, seed=3)
+    kept = inp.clone()
+    dist.reduce_scatter_single(o, inp, op=ReduceOp.AVG)
+    out["reduce_scatter_avg"] = o
+    o = torch.empty(n)
+    op = _premul(0.5)
+    dist.reduce_scatter_single(o, inp * 0.5 if op is None else inp, op=op or ReduceOp.SUM)
+    out["reduce_scatter_premul"] = o
+    out["premul_input_untouched"] = torch.equal(inp, kept)
+    # the coalescing manager: what FSDP and Megatron's DDP issue
+    ts = [_values(rank, k, seed=10 + k) for k in (300, 70_000, 5)]
+    with dist._coalescing_manager(async_ops=True) as cm:
+        for t in ts:
+            dist.all_reduce(t, op=ReduceOp.AVG)
+    cm.wait()
+    out["coalesced_all_reduce"] = ts
+    outs, ins = [torch.empty(k) for k in (64, 4000)], [_values(rank, world * k, seed=k) for k in (64, 4000)]
+    with dist._coalescing_manager():
+        for o, i in zip(outs, ins):
+            dist.reduce_scatter_single(o, i, op=ReduceOp.SUM)
+    out["coalesced_reduce_scatter"] = outs
+    outs, ins = [torch.empty(world * k) for k in (64, 4000)], [_values(rank, k, seed=k + 1) for k in (64, 4000)]
+    with dist._coalescing_manager(async_ops=True) as cm:
+        for o, i in zip(outs, ins):
+            dist.all_gather_single(o, i)
+    cm.wait()
+    out["coalesced_all_gather"] = outs
+    out["_counts"] = counters.snapshot()
+    return _bytes(out)
+
+
+def test_avg_premul_nan_and_coalesced_calls_match_gloo_on_the_fast_path():
+    stock = _load(run_ranks(_ops_and_coalesced, 3, timeout=240))
+    ours = _load(run_ranks(_ops_and_coalesced, 3, backend="slipstream", timeout=240))
+    for rank, (s, o) in enumerate(zip(stock, ours)):
+        counts = o.pop("_counts")
+        s.pop("_counts")
+        nans = {k: o.pop(k) for k in list(o) if k.startswith("_nan")}
+        assert s.keys() - nans.keys() == o.keys()
+        for key in o:
+            assert_close(o[key], s[key], equal_nan=True, rtol=1e-6, atol=1e-6, msg=lambda m: f"rank {rank} {key}: {m}")
+        assert o["premul_input_untouched"] is True
+        for kind in ("all_reduce", "reduce_scatter", "all_reduce_coalesced", "reduce_scatter_coalesced",
+                     "all_gather_coalesced"):
+            paths = counts.get(kind, {})
+            assert set(paths) <= FAST and paths, f"rank {rank}: {kind} took {paths}"
+        assert counts["all_reduce_coalesced"]["shm"]["calls"] == 1  # one operation, not three
+        # MAX/MIN: NaN wherever any rank has one (torch.maximum's semantics). gloo's own result
+        # depends on the ring's order (a NaN survives only where it is the accumulator), so
+        # every NaN gloo returns must be one of ours, and everything else equal.
+        for key, got in nans.items():
+            numel = got.numel()
+            rows = torch.stack([_with_nans(r, numel) for r in range(3)])
+            want = rows.amax(0) if "MAX" in key else rows.amin(0)
+            assert_close(got, want, equal_nan=True, rtol=0, atol=0, msg=lambda m: f"rank {rank} {key}: {m}")
+            assert torch.isnan(got[torch.isnan(s[key])]).all()
+
+
+def _pool_and_destroy(rank: int, world: int) -> bytes:
+    a, b = dist.new_group(list(range(world))), dist.new_group(list(range(world)))
+    t = _values(rank, 100_000)
+    dist.all_reduce(t, group=a)
+    dist.all_reduce(t, group=b)
+    comm_b = pool.peek(b)
+    assert pool.peek(a) is not None and comm_b is not None and comm_b is not pool.peek(a)
+    dist.destroy_process_group(a)
+    assert pool.peek(a) is None and pool.peek(b) is comm_b, "destroying one group closed another's communicator"
+    dist.all_reduce(t, group=b)  # still works, same communicator
+    dist.all_reduce(t)  # and the default group
+    assert pool.peek(b) is comm_b
+    with torch.profiler.profile() as prof:
+        dist.all_reduce(t, group=b)
+    names = {e.name for e in prof.events()}
+    return _bytes({"t": t, "profiled": sorted(n for n in names if n.startswith("slipstream:"))})
+
+
+def test_destroying_one_group_leaves_the_others_and_the_profiler_names_the_path():
+    ours = _load(run_ranks(_pool_and_destroy, 2, backend="slipstream", timeout=240))
+    expected = 16 * (_values(0, 100_000) + _values(1, 100_000))  # four all-reduces, exact integers
+    for o in ours:
+        assert_close(o["t"], expected, rtol=0, atol=0)
+        assert o["profiled"] in (["slipstream:all_reduce:shm"], ["slipstream:all_reduce:cma"])
+
+
+def _fsdp2(rank: int, world: int) -> bytes:
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 63))
+    for layer in (model[0], model[2]):  # 63 outputs: uneven shards over 2 ranks
+        fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    counters.reset()
+    gen = torch.Generator().manual_seed(rank)
+    losses = []
+    for _ in range(3):
+        loss = model(torch.randn(8, 64, generator=gen)).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    weights = [p.full_tensor().detach() for p in model.parameters()]
+    return _bytes({"losses": losses, "weights": weights, "counts": counters.snapshot()})
+
+
+def test_fsdp2_reduce_scatter_avg_and_all_gather_take_the_fast_path_with_gloos_weights():
+    stock = _load(run_ranks(_fsdp2, 2, timeout=240))
+    ours = _load(run_ranks(_fsdp2, 2, backend="slipstream", timeout=240))
+    for rank, (s, o) in enumerate(zip(stock, ours)):
+        assert_close(o["losses"], s["losses"], rtol=1e-6, atol=0)
+        for a, b in zip(o["weights"], s["weights"]):
+            assert_close(a, b, rtol=1e-5, atol=1e-7)
+        counts = o["counts"]
+        # FSDP2 reduce-scatters gradients with AVG and gathers parameters: both on the fast path
+        # (full_tensor() gathers through DTensor's coalesced all-gather)
+        assert {"all_gather", "reduce_scatter"} <= set(counts) and all(set(p) <= FAST for p in counts.values()), counts
+        assert counts["reduce_scatter"]["shm"]["calls"] == 2 * 3  # two modules hold parameters, three steps
+
+
+def test_hashed_group_names_follow_torch():
+    from torch.distributed import distributed_c10d as c10d
+
+    from slipstream.core_comm.groups import _hashed_name
+
+    ranks = [0, 2, 5]
+    assert _hashed_name(ranks, len(c10d._world.pg_names)) == c10d._hash_ranks_to_str(ranks)
