@@ -15,7 +15,7 @@ autoload.install_hooks()  # idempotent
 assert "deepspeed" not in sys.modules, "installing the hook must not import DeepSpeed"
 import deepspeed
 hooked = deepspeed.initialize
-assert getattr(hooked, "_slipstream_hook", False), "deepspeed.initialize was not hooked on import"
+assert getattr(hooked, "__slipstream_patch__", None) == "deepspeed", "deepspeed.initialize was not hooked on import"
 original = hooked.__wrapped__
 assert not any(type(f).__name__ == "_AfterImport" for f in sys.meta_path), "finder left behind"
 autoload.remove_hooks()
@@ -43,7 +43,7 @@ ENABLE_SCRIPT = r"""
 import sys, slipstream
 slipstream.enable()
 import deepspeed
-assert getattr(deepspeed.initialize, "_slipstream_hook", False), "enable() did not switch DeepSpeed"
+assert getattr(deepspeed.initialize, "__slipstream_patch__", None) == "deepspeed", "enable() did not switch DeepSpeed"
 original = deepspeed.initialize.__wrapped__
 slipstream.disable()
 assert deepspeed.initialize is original

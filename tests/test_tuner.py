@@ -12,6 +12,8 @@ import torch.distributed as dist
 
 from _dist import run_ranks
 from slipstream.core_comm import Choice, CommConfig, Communicator
+from slipstream.plugins.deepspeed.translate import zero_buckets
+from slipstream.plugins.fsdp.translate import wrap_policy_kwargs
 from slipstream.core_comm.tuner import (
     SIZE_CLASSES, BucketSizes, Entry, TuneKey, TunedPlan, Tuner, TunerCacheWarning, _read_cache,
     _write_cache, load_plan, model_plan, tuned_communicator,
@@ -103,10 +105,10 @@ def test_plan_json_round_trip_and_connections_apply_only_across_nodes():
 def test_bucket_sizes_as_ddp_deepspeed_and_fsdp_settings():
     b = BucketSizes(all_reduce_bytes=8 << 20, reduce_scatter_bytes=4 << 20, all_gather_bytes=2 << 20)
     assert b.ddp_kwargs() == {"bucket_cap_mb": 8.0}
-    assert b.deepspeed_config() == {"zero_optimization": {
+    assert zero_buckets(b) == {"zero_optimization": {
         "reduce_bucket_size": 2 << 20, "allgather_bucket_size": 1 << 20, "stage3_prefetch_bucket_size": 1 << 20}}
-    assert b.deepspeed_config(element_size=4)["zero_optimization"]["reduce_bucket_size"] == 1 << 20
-    assert b.fsdp_kwargs() == {"min_num_params": 1 << 20}
+    assert zero_buckets(b, element_size=4)["zero_optimization"]["reduce_bucket_size"] == 1 << 20
+    assert wrap_policy_kwargs(b) == {"min_num_params": 1 << 20}
     with pytest.raises(ValueError, match="all_gather_bytes"):
         BucketSizes(all_gather_bytes=0)
 

@@ -16,6 +16,8 @@ from slipstream.core_compile import (
     step_loss,
     sum_cross_entropy,
 )
+from slipstream.plugins.deepspeed.translate import grad_reduction as deepspeed_reduction
+from slipstream.plugins.fsdp.translate import grad_reduction as fsdp_reduction
 from slipstream.recipes.model import build_model
 
 VOCAB = 61
@@ -55,7 +57,7 @@ def test_grad_accumulation_split_does_not_change_gradients():
     splits = [samples[:1], samples[1:6], samples[6:]]
     collate = FlattenCollator()
     tokens = global_token_count([collate(s)["labels"] for s in splits], group=None)
-    total = sum(_micro_step(model, s, tokens, 1, 3, GradReduction.for_fsdp()) for s in splits)
+    total = sum(_micro_step(model, s, tokens, 1, 3, fsdp_reduction()) for s in splits)
     torch.testing.assert_close(total / tokens, ref_loss)
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.grad, ref[n], rtol=1e-4, atol=1e-6)
@@ -82,7 +84,7 @@ def _two_rank_step(rank, world, deepspeed):
     micro = [[samples[i] for i in idx] for idx in sampler]
     collate = FlattenCollator()
     tokens = global_token_count([collate(m)["labels"] for m in micro], group=dist.group.WORLD)
-    reduction = GradReduction.for_deepspeed(scale_wrt_gas=True) if deepspeed else GradReduction.for_fsdp()
+    reduction = deepspeed_reduction(scale_wrt_gas=True) if deepspeed else fsdp_reduction()
     model = _model()
     loss_sum = sum(_micro_step(model, m, tokens, world, gas, reduction, gas if deepspeed else 1) for m in micro)
     for p in model.parameters():  # the stack's averaging all-reduce (DDP / FSDP / DeepSpeed)

@@ -14,8 +14,10 @@ from dataclasses import asdict
 import torch
 import torch.distributed as dist
 
-from slipstream.core_comm import Communicator
+from slipstream.core_comm import Communicator, pool
 from slipstream.core_comm.topology import host_identity, node_key_from_env
+from slipstream.plugins.deepspeed.translate import zero_buckets
+from slipstream.plugins.fsdp.translate import wrap_policy_kwargs
 from slipstream.core_comm.tuner import KINDS, TuneKey, _buffers, default_cache_dir, load_plan
 
 _PROBE_SIZES = (4 << 10, 1 << 20, 64 << 20)  # full buffers, as `slipstream bench comm`
@@ -78,7 +80,7 @@ def main() -> None:
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    comm = Communicator(None)
+    comm = pool.get(None)
     topo = comm.topology
     ranks: list = [None] * comm.world
     dist.all_gather_object(ranks, {"host": host_identity(), "node_key": node_key_from_env(), "pid": os.getpid()})
@@ -98,7 +100,7 @@ def main() -> None:
         "tuned": {"source": plan.source, "cache_file": os.path.join(cache_dir, key.filename()),
                   "key": key.to_json(), "connections": plan.connections,
                   "buckets": {**asdict(plan.buckets), "ddp": plan.buckets.ddp_kwargs(),
-                              "deepspeed": plan.buckets.deepspeed_config(), "fsdp": plan.buckets.fsdp_kwargs()},
+                              "deepspeed": zero_buckets(plan.buckets), "fsdp": wrap_policy_kwargs(plan.buckets)},
                   "choices": [{k: r[k] for k in ("kind", "dtype", "nbytes", "algorithm", "chunk_bytes", "source")}
                               for r in plan.rows()]},
     }

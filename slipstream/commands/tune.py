@@ -20,6 +20,8 @@ import torch
 
 from slipstream.bench.comm import _format_size, _machine, parse_size
 from slipstream.cluster import ClusterSpec, launch
+from slipstream.plugins.deepspeed.translate import zero_buckets
+from slipstream.plugins.fsdp.translate import wrap_policy_kwargs
 
 __all__ = ["add_arguments", "run"]
 
@@ -72,7 +74,7 @@ def _choices_table(result: dict) -> str:
         + (f" (8 MiB allreduce ms by count: {', '.join(f'{k}: {_ms(v)}' for k, v in plan.connection_times_s.items())})"
            if plan.connection_times_s else "") + f"; plan {result['source']} "
         f"(tuning took {result['tune_s']:.1f} s)",
-        f"buckets: DDP {b.ddp_kwargs()}; DeepSpeed (bf16) {b.deepspeed_config()}; FSDP (bf16) {b.fsdp_kwargs()}",
+        f"buckets: DDP {b.ddp_kwargs()}; DeepSpeed (bf16) {zero_buckets(b)}; FSDP (bf16) {wrap_policy_kwargs(b)}",
     ])
 
 

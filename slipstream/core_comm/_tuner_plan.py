@@ -79,20 +79,6 @@ class BucketSizes:
         """Keyword arguments of ``DistributedDataParallel``."""
         return {"bucket_cap_mb": self.all_reduce_bytes / 2**20}
 
-    def deepspeed_config(self, element_size: int = 2) -> dict:
-        """A DeepSpeed config fragment; ZeRO counts buckets in elements (``element_size``
-        bytes each: 2 for fp16/bf16 gradients and parameters)."""
-        return {"zero_optimization": {
-            "reduce_bucket_size": self.reduce_scatter_bytes // element_size,
-            "allgather_bucket_size": self.all_gather_bytes // element_size,
-            "stage3_prefetch_bucket_size": self.all_gather_bytes // element_size,
-        }}
-
-    def fsdp_kwargs(self, element_size: int = 2) -> dict:
-        """``min_num_params`` of FSDP's size-based auto-wrap policy (accelerate's
-        ``fsdp_min_num_params``): units big enough for an all-gather at full bandwidth."""
-        return {"min_num_params": self.all_gather_bytes // element_size}
-
 
 # ---------------------------------------------------------------------------- plan
 

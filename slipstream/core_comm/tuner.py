@@ -2,7 +2,7 @@
 algorithm and the hierarchical chunk; topology-wide, the TCP connections per inter-node peer.
 
     comm = tuned_communicator(group)    # collective: a Communicator running the cached plan
-    comm.plan.buckets.ddp_kwargs()      # {"bucket_cap_mb": ...}; .deepspeed_config(), .fsdp_kwargs()
+    comm.plan.buckets.ddp_kwargs()      # {"bucket_cap_mb": ...}; stacks: plugins/<stack>/translate.py
     plan = load_plan(comm)              # collective: the cache, else the cost model; no measuring
     plan = Tuner(comm).tune()           # collective: the cache, else measure (<= budget_s), cache
     comm = Communicator(group, config=plan.apply(config), plan=plan)  # plan.connections applied

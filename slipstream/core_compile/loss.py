@@ -11,7 +11,8 @@ Each micro-step therefore backpropagates ``local_sum / global_count``, scaled to
 the training stack does to gradients afterwards: DDP, FSDP and DeepSpeed average gradients
 over the data-parallel ranks (multiply by the DP world size to undo), and DeepSpeed's
 ``engine.backward`` divides the loss by the accumulation steps when ``scale_wrt_gas`` is on
-(multiply by them to undo). :class:`GradReduction` describes the stack; the adapters build it.
+(multiply by them to undo). :class:`GradReduction` describes the stack; each adapter's
+``translate.grad_reduction()`` builds it (``slipstream.plugins.<stack>.translate``).
 """
 
 from __future__ import annotations
@@ -36,15 +37,6 @@ class GradReduction:
     """Gradients are averaged (not summed) over data-parallel ranks: DDP, FSDP1/2, DeepSpeed."""
     divides_by_grad_accum: bool = False
     """The loss is divided by the accumulation steps: DeepSpeed's ``backward`` with ``scale_wrt_gas``."""
-
-    @classmethod
-    def for_deepspeed(cls, scale_wrt_gas: bool = True) -> "GradReduction":
-        return cls(averages_over_dp=True, divides_by_grad_accum=scale_wrt_gas)
-
-    @classmethod
-    def for_fsdp(cls) -> "GradReduction":
-        """FSDP1/FSDP2 (and DDP) with their default averaging reduce."""
-        return cls(averages_over_dp=True, divides_by_grad_accum=False)
 
 
 def count_target_tokens(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:

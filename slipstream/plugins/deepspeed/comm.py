@@ -5,17 +5,21 @@ Every collective DeepSpeed issues goes through one module-level backend object,
 with ``zero.py``'s patch, parameter ``all_gather_into_tensor``; ZeRO-3: async
 ``all_gather_into_tensor`` handles with ``.wait()``, ``reduce_scatter_tensor`` of gradients,
 fp64 ``all_reduce`` of norms). The
-stand-in answers those three through a ``Communicator`` per process group and hands every
-other attribute to the original object, which stays reachable as ``__wrapped__``.
-DeepSpeed's files are not edited.
+stand-in answers those three through the core's communicator of the call's group (the pool's,
+running the tuner's plan) and hands every other attribute to the original object, which stays
+reachable as ``__wrapped__``. DeepSpeed's files are not edited.
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch.distributed as dist
 
-from ...core_comm import CommConfig, Communicator
-from ...core_comm.tuner import tuned_communicator
+from ...core_comm import CommConfig, Communicator, pool
+from .._patch import patch, unpatch
+
+log = logging.getLogger("slipstream.deepspeed")
 
 __all__ = ["CommBackend", "install_comm", "uninstall_comm", "installed_backend"]
 
@@ -26,18 +30,16 @@ class CommBackend:
     def __init__(self, wrapped, config: CommConfig) -> None:
         self.__wrapped__ = wrapped
         self.config = config
-        self._comms: dict = {}  # process group -> Communicator, built on first use (collective)
+        self._groups: set = set()  # the groups whose communicators this stand-in used
 
     def __getattr__(self, name):
         return getattr(self.__wrapped__, name)
 
     def communicator(self, group) -> Communicator:
         key = group if group is not None else dist.group.WORLD
-        comm = self._comms.get(key)
-        if comm is None:
-            # First collective on this group: every member is inside the same call.
-            comm = self._comms[key] = tuned_communicator(key, config=self.config)
-        return comm
+        self._groups.add(key)
+        # First collective on this group: every member is inside the same call.
+        return pool.get(key, config=self.config, tuned=True)
 
     def all_reduce(self, tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
         op = self.__wrapped__._reduce_op(op)
@@ -51,13 +53,17 @@ class CommBackend:
         return self.communicator(group).all_gather(output_tensor, input_tensor, async_op=async_op)
 
     def destroy_process_group(self, group=None):
-        self.close()
+        if group is None:  # DeepSpeed's call without a group destroys every group
+            self.close()
+        else:
+            pool.close(group)
+            self._groups.discard(group)
         return self.__wrapped__.destroy_process_group(group)
 
     def close(self) -> None:
-        for comm in self._comms.values():
-            comm.close()
-        self._comms.clear()
+        for group in self._groups:
+            pool.close(group)
+        self._groups.clear()
 
 
 def installed_backend() -> CommBackend | None:
@@ -67,16 +73,21 @@ def installed_backend() -> CommBackend | None:
 
 
 def install_comm(config: CommConfig) -> CommBackend:
-    """Swap DeepSpeed's backend object for the stand-in (idempotent: an installed stand-in is
-    kept). DeepSpeed's distributed backend must be initialised first."""
+    """Swap DeepSpeed's backend object for the stand-in. Idempotent: an installed stand-in with
+    the same config is kept; one with another config is replaced, its communicators closed
+    (every rank calls this at the same point, before its first collective). DeepSpeed's
+    distributed backend must be initialised first."""
     import deepspeed.comm.comm as ds_comm
 
     if ds_comm.cdb is None or not ds_comm.cdb.is_initialized():
         raise RuntimeError("deepspeed.comm is not initialised: call deepspeed.init_distributed() first")
     current = installed_backend()
-    if current is not None:
+    if current is not None and current.config == config:
         return current
-    ds_comm.cdb = CommBackend(ds_comm.cdb, config)
+    if current is not None:
+        log.info("slipstream: DeepSpeed comm settings changed; communicators rebuilt with %s", config)
+        uninstall_comm()
+    patch(ds_comm, "cdb", CommBackend(ds_comm.cdb, config), owner="deepspeed")
     return ds_comm.cdb
 
 
@@ -87,4 +98,4 @@ def uninstall_comm() -> None:
     current = installed_backend()
     if current is not None:
         current.close()
-        ds_comm.cdb = current.__wrapped__
+        unpatch(ds_comm, "cdb")

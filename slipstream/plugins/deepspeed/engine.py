@@ -7,22 +7,22 @@ and, optionally, the padding-removal pass on the model. Without a section, or wi
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 import json
 import logging
 import os
-import copy
 
-from ...config import SlipstreamConfig
-from ...cpu_memory import keep_freed_memory, release_freed_memory
+from .._adapter import apply_job_effects, read_config, undo_job_effects
+from .._patch import patch, unpatch
 from .comm import install_comm
+from .translate import zero_buckets
 from .zero import patch_zero_optimizer
 
 __all__ = ["initialize", "install", "uninstall", "load_ds_config", "bucket_defaults"]
 
 log = logging.getLogger("slipstream.deepspeed")
-_MARKER = "_slipstream_hook"
 
 
 def load_ds_config(config=None, args=None, config_params=None) -> dict:
@@ -65,14 +65,13 @@ def _initialize(original, args, kwargs):
     bound = inspect.signature(original).bind_partial(*args, **kwargs)
     params = bound.arguments
     ds_config = load_ds_config(params.get("config"), params.get("args"), params.get("config_params"))
-    settings = SlipstreamConfig.from_dict(ds_config.get("slipstream"))
+    settings = read_config(ds_config.get("slipstream"))
     if not settings.enabled:
         return original(*bound.args, **bound.kwargs)
     _init_distributed(params)
     backend = install_comm(settings.comm)
     ds_config = bucket_defaults(ds_config, _recommended_buckets(backend, ds_config))
-    if settings.keep_freed_memory and _on_cpu():
-        keep_freed_memory()
+    apply_job_effects(settings, on_cpu=_on_cpu())
     if settings.varlen is not None:
         from ...core_compile import apply_varlen
 
@@ -116,7 +115,7 @@ def _recommended_buckets(backend, ds_config: dict) -> dict:
         return {}
     half = any(ds_config.get(k, {}).get("enabled", False) for k in ("bf16", "fp16"))
     plan = backend.communicator(None).plan
-    return plan.buckets.deepspeed_config(element_size=2 if half else 4)["zero_optimization"]
+    return zero_buckets(plan.buckets, element_size=2 if half else 4)["zero_optimization"]
 
 
 def _overlaps_comm(ds_config: dict) -> bool:
@@ -137,30 +136,27 @@ def install() -> None:
     """Make plain ``deepspeed.initialize`` honour the section. Idempotent; ``uninstall`` undoes it."""
     import deepspeed
 
-    if getattr(deepspeed.initialize, _MARKER, False):
-        return
     original = deepspeed.initialize
 
     @functools.wraps(original)
     def hooked(*args, **kwargs):
         return _initialize(original, args, kwargs)
 
-    setattr(hooked, _MARKER, True)  # functools.wraps set __wrapped__ = original
-    deepspeed.initialize = hooked
+    patch(deepspeed, "initialize", hooked, owner="deepspeed")
 
 
 def uninstall() -> None:
-    """Restore ``deepspeed.initialize`` and DeepSpeed's own comm backend exactly."""
+    """Restore ``deepspeed.initialize``, DeepSpeed's own comm backend and every optimizer
+    patched in this process exactly."""
     import sys
 
     deepspeed = sys.modules.get("deepspeed")
     if deepspeed is None:
         return
-    if getattr(deepspeed.initialize, _MARKER, False):
-        deepspeed.initialize = deepspeed.initialize.__wrapped__
     from .comm import uninstall_comm
     from .zero import unpatch_all
 
+    unpatch(deepspeed, "initialize")
     unpatch_all()
     uninstall_comm()
-    release_freed_memory()
+    undo_job_effects()

@@ -25,10 +25,11 @@ import weakref
 
 import torch
 
+from .._patch import is_patched as _is_patched, patch, unpatch
+
 __all__ = ["patch_zero_optimizer", "unpatch_zero_optimizer", "unpatch_all", "is_patched", "owner_layout"]
 
 _METHOD = "allreduce_and_copy_with_multiple_ranks"
-_MARKER = "_slipstream_reduce_to_owners"
 # Largest padded size, relative to the bucket, still worth a reduce-scatter: an allreduce
 # moves twice the bucket's bytes, so up to 1.5x padding is still cheaper across nodes.
 MAX_PADDING = 1.5
@@ -100,7 +101,7 @@ def _reduce_to_owners(self, small_bucket, communication_data_type, log=None, div
 
 
 def is_patched(optimizer) -> bool:
-    return _METHOD in vars(optimizer) and getattr(vars(optimizer)[_METHOD], _MARKER, False)
+    return _is_patched(optimizer, _METHOD)
 
 
 def patch_zero_optimizer(optimizer) -> bool:
@@ -112,18 +113,14 @@ def patch_zero_optimizer(optimizer) -> bool:
         return False
     if not isinstance(optimizer, DeepSpeedZeroOptimizer) or not hasattr(DeepSpeedZeroOptimizer, _METHOD):
         return False
-    if not is_patched(optimizer):
-        method = functools.partial(_reduce_to_owners, optimizer)
-        setattr(method, _MARKER, True)
-        setattr(optimizer, _METHOD, method)
+    if patch(optimizer, _METHOD, functools.partial(_reduce_to_owners, optimizer), owner="deepspeed"):
         _patched.add(optimizer)
     return True
 
 
 def unpatch_zero_optimizer(optimizer) -> None:
     """Give ``optimizer`` back DeepSpeed's method (no-op when not patched)."""
-    if is_patched(optimizer):
-        delattr(optimizer, _METHOD)
+    unpatch(optimizer, _METHOD)
     _patched.discard(optimizer)
 
 

@@ -1,0 +1,35 @@
+"""What every adapter does the same way: read the one ``SlipstreamConfig`` from the stack's
+section, and apply the job-wide effects of its settings once per process.
+
+Settings, first found first: code (``slipstream.enable(config)``) > the stack's section >
+``SLIPSTREAM_*`` > defaults (``slipstream.config.resolve_comm``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Mapping
+
+from ..config import SlipstreamConfig
+from ..core_comm._backend_registry import registered_config
+from ..cpu_memory import keep_freed_memory, release_freed_memory
+
+__all__ = ["apply_job_effects", "read_config", "undo_job_effects"]
+
+log = logging.getLogger("slipstream")
+
+
+def read_config(section: Mapping[str, Any] | None, where: str = "slipstream") -> SlipstreamConfig:
+    """The stack's ``section`` (None: absent, so disabled) as a validated config; errors name
+    the key (``where`` is its path) or the variable."""
+    return SlipstreamConfig.from_dict(section, where, code=registered_config())
+
+
+def apply_job_effects(settings: SlipstreamConfig, *, on_cpu: bool) -> None:
+    """Process-wide effects of ``settings``; idempotent, undone by ``undo_job_effects``."""
+    if settings.keep_freed_memory and on_cpu:
+        keep_freed_memory()
+
+
+def undo_job_effects() -> None:
+    release_freed_memory()
