@@ -33,6 +33,10 @@ def test_embedded_default_runs_end_to_end_and_matches_stock(tmp_path):
     assert scattered >= 4 and "reduce_scatter_tensor" not in calls["stock"]
     calls["slipstream"]["all_reduce"] += scattered
     assert calls["slipstream"] == calls["stock"] and calls["stock"]["all_reduce"] >= 8
+    # which path those calls took: stock DeepSpeed never reaches the core; with slipstream the
+    # gradient reduce-scatters run on shared memory (one node)
+    assert stock["comm_paths"] == {}
+    assert set(ours["comm_paths"]["reduce_scatter"]) <= {"shm", "cma"}, ours["comm_paths"]
     assert (out / "compare.png").stat().st_size > 0
 
 

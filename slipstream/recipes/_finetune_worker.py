@@ -21,7 +21,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..core_compile import GradReduction, balance, global_token_count, step_loss
+from ..core_comm import counters
+from ..core_compile import balance, global_token_count, step_loss
+from ..plugins.deepspeed.translate import grad_reduction
 from .data import generate_alpaca, load_alpaca, pad_batch, tokenize_alpaca
 from .model import build_model
 from .tokenizer import load_tokenizer
@@ -133,9 +135,10 @@ def train(args) -> dict:
     init = deepspeed.initialize if args.impl == "stock" else sds.initialize
     engine, *_ = init(model=model, model_parameters=model.parameters(), config=ds_config(args))
     timer = ds_comm.cdb = CommTimer(ds_comm.cdb)
-    reduction = GradReduction.for_deepspeed()
+    reduction = grad_reduction()
     bar = _progress(args) if rank == 0 else None
     records = []
+    counters.reset()  # the training steps' calls only
     try:
         for step in range(args.steps):
             records.append(_train_step(engine, samples, step, args, rank, world, reduction, timer, tokenizer))
@@ -152,7 +155,8 @@ def train(args) -> dict:
     peak = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0])
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     return {**_summary(args, records, float(peak), ckpt),
-            "comm_by_op": {op: {"calls": n, "seconds": t} for op, (n, t) in sorted(timer.by_op.items())}}
+            "comm_by_op": {op: {"calls": n, "seconds": t} for op, (n, t) in sorted(timer.by_op.items())},
+            "comm_paths": counters.snapshot()}
 
 
 def _train_step(engine, samples, step, args, rank, world, reduction, timer, tokenizer) -> dict:
