@@ -159,7 +159,7 @@ def _fsdp2(rank: int, world: int) -> bytes:
     for layer in (model[0], model[2]):  # 63 outputs: uneven shards over 2 ranks
         fully_shard(layer)
     fully_shard(model)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)  # weight differences = lr x gradient differences
     counters.reset()
     gen = torch.Generator().manual_seed(rank)
     losses = []

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from _adam import assert_close_through_adam
 from slipstream.core_compile import FlattenCollator, apply_varlen
 from slipstream.recipes.model import build_model
 
@@ -53,10 +54,17 @@ def _train(tmp_path, varlen):
         dataloader_num_workers=0,
     )
     collate = FlattenCollator() if varlen else _pad
-    trainer = transformers.Trainer(model=model, args=args, train_dataset=_dataset(), data_collator=collate)
+    grads: list = []
+
+    class Gradients(transformers.TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):
+            grads.append([p.grad.detach().clone() for p in model.parameters()])
+
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=_dataset(), data_collator=collate,
+                                   callbacks=[Gradients()])
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+    return losses, grads, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 def test_trainer_with_flatten_collator_matches_padded_training(tmp_path, monkeypatch):
@@ -65,11 +73,12 @@ def test_trainer_with_flatten_collator_matches_padded_training(tmp_path, monkeyp
     calls = []
     real = varlen_module.varlen_attention
     monkeypatch.setattr(varlen_module, "varlen_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
-    padded_losses, padded_weights = _train(tmp_path, varlen=False)
+    padded_losses, padded_grads, padded_weights = _train(tmp_path, varlen=False)
     assert not calls
-    varlen_losses, varlen_weights = _train(tmp_path, varlen=True)
+    varlen_losses, varlen_grads, varlen_weights = _train(tmp_path, varlen=True)
     assert len(calls) == 2 * 2 * 2  # steps x micro-steps x layers
     assert len(varlen_losses) == len(padded_losses) == 2
     torch.testing.assert_close(varlen_losses, padded_losses, rtol=1e-5, atol=1e-6)
-    for n, w in varlen_weights.items():
-        torch.testing.assert_close(w, padded_weights[n], rtol=1e-4, atol=1e-6)
+    names = list(padded_weights)
+    assert_close_through_adam([varlen_weights[n] for n in names], [padded_weights[n] for n in names],
+                              varlen_grads, padded_grads, lr=1e-3, names=names)
