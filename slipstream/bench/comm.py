@@ -58,6 +58,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nodes", type=int, default=1, help="emulated nodes (default 1; more need root)")
     parser.add_argument("--ranks-per-node", type=int, default=4, help="ranks per node (default 4)")
     parser.add_argument("--link", help="tc rate of each node's link, e.g. 1gbit (needed for --nodes > 1)")
+    parser.add_argument("--pin-nodes", action="store_true",
+                        help="run each emulated node's ranks on their own share of the CPUs (taskset)")
     parser.add_argument("--sizes", default="4K,64K,1M,16M", help="buffer sizes (default 4K,64K,1M,16M)")
     parser.add_argument("--ops", default=",".join(OPS), help=f"comma-separated of {', '.join(OPS)}")
     parser.add_argument("--impls", default=",".join(IMPLS),
@@ -108,7 +110,8 @@ def _validate(args: argparse.Namespace) -> tuple[ClusterSpec, list[int], list[st
         except ImportError as e:
             raise SystemExit(f"slipstream's Communicator is not importable ({e}); use --impls stock") from e
     try:
-        spec = ClusterSpec(nodes=args.nodes, ranks_per_node=args.ranks_per_node, link=args.link)
+        spec = ClusterSpec(nodes=args.nodes, ranks_per_node=args.ranks_per_node, link=args.link,
+                           pin_nodes=getattr(args, "pin_nodes", False))
         sizes = [parse_size(s) for s in args.sizes.split(",")]
     except ValueError as e:
         raise SystemExit(str(e)) from e

@@ -88,6 +88,10 @@ class ClusterSpec:
     """tc rate capping each connection that uses a port of ``capped_ports``; needs ``link``."""
     capped_ports: range = range(20000, 20064)
     """Ports with a per-connection cap, one htb class each (consecutive, at most 1024)."""
+    pin_nodes: bool = False
+    """Run each node's ranks on their own share of this machine's CPUs (``taskset``), so that
+    a node's compute, its ranks' waits and the kernel's network work they start (a veth
+    transmit runs in the sender's softirq) stay on that node's cores."""
 
     def __post_init__(self) -> None:
         for name in ("nodes", "ranks_per_node"):
@@ -259,7 +263,12 @@ class EmulatedCluster:
         )
 
     def node_command(self, node: int, argv: Sequence[str]) -> list[str]:
-        """``argv`` run inside node ``node``'s namespace."""
+        """``argv`` run inside node ``node``'s namespace (on its CPUs with ``pin_nodes``)."""
+        if self.spec.pin_nodes:
+            cpus = sorted(os.sched_getaffinity(0))
+            share = max(1, len(cpus) // self.spec.nodes)
+            mine = [cpus[(node * share + k) % len(cpus)] for k in range(share)]
+            argv = ["taskset", "-c", ",".join(map(str, mine)), *argv]
         return ["ip", "netns", "exec", self.namespaces[node], *argv]
 
     def launch(self, argv: Sequence[str], *, env: Mapping[str, str] | None = None,
