@@ -5,35 +5,19 @@ data; fp32 tolerance where the core sums in another order)."""
 
 from __future__ import annotations
 
-import io
-
 import pytest
 import torch
 import torch.distributed as dist
 from torch.testing import assert_close
 
 import slipstream  # noqa: F401 - registers the backend in the ranks that unpickle this module
+from _dist import from_bytes as _load
+from _dist import int_values as _values
 from _dist import run_ranks
+from _dist import to_bytes as _bytes
 from slipstream.core_comm.backend import SlipstreamProcessGroup
 
 TWO_NODES = [{"SLIPSTREAM_NODE": str(r // 2)} for r in range(4)]
-
-
-def _bytes(obj) -> bytes:
-    """Results cross the process boundary as bytes: a tensor sent as itself is shared
-    through a file descriptor that dies with the rank that made it."""
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getvalue()
-
-
-def _load(results: list) -> list:
-    return [torch.load(io.BytesIO(b), weights_only=False) for b in results]
-
-
-def _values(rank: int, numel: int, dtype=torch.float32, seed: int = 0) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed * 100 + rank)
-    return torch.randint(-8, 9, (numel,), generator=gen).to(dtype)
 
 
 def _error(fn) -> str | None:

@@ -5,34 +5,19 @@ group's destruction leaving the others working."""
 
 from __future__ import annotations
 
-import io
-
-import pytest
 import torch
 import torch.distributed as dist
 from torch.testing import assert_close
 
 import slipstream  # noqa: F401 - registers the backend in the ranks that unpickle this module
+from _dist import from_bytes as _load
+from _dist import int_values as _values
 from _dist import run_ranks
+from _dist import to_bytes as _bytes
 from slipstream.core_comm import counters, pool
 
 ReduceOp = dist.ReduceOp
 FAST = {"shm", "cma", "hierarchical"}
-
-
-def _bytes(obj) -> bytes:
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getvalue()
-
-
-def _load(results: list) -> list:
-    return [torch.load(io.BytesIO(b), weights_only=False) for b in results]
-
-
-def _values(rank: int, numel: int, dtype=torch.float32, seed: int = 0) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed * 100 + rank)
-    return torch.randint(-8, 9, (numel,), generator=gen).to(dtype)
 
 
 def _with_nans(rank: int, numel: int) -> torch.Tensor:
