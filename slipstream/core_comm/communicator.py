@@ -335,10 +335,18 @@ class Communicator:
         return self.cma if self.cma is not None and nbytes >= CMA_MIN_BYTES[kind] else self.shm
 
     def _cpu_all_reduce(self, flat: torch.Tensor, op, chunk_bytes: int | None) -> None:
+        nbytes = flat.numel() * flat.element_size()
         if self.hier is None:
-            self._intra("all_reduce", flat.numel() * flat.element_size()).all_reduce(flat, op)
-        else:
-            self.hier.all_reduce(flat, op, chunk_bytes=chunk_bytes)
+            self._intra("all_reduce", nbytes).all_reduce(flat, op)
+            return
+        if chunk_bytes is None:
+            # A quarter of the message, never less than chunk_bytes: each chunk costs a
+            # synchronisation of every rank, which under the default scheduler (4 ranks and the
+            # link's network work on 2 cores) waits for a rank to be scheduled. 64 MiB on 2x2
+            # emulated nodes at 1 Gbit/s: 16 MiB chunks 814-874 ms, 4 MiB 992-1025 ms, 1 MiB
+            # 994-1108 ms (benchmarks/results/comm_*.md). 16 MiB messages keep 4 MiB chunks.
+            chunk_bytes = max(self.config.chunk_bytes, nbytes // 4 // 64 * 64)
+        self.hier.all_reduce(flat, op, chunk_bytes=chunk_bytes)
 
     def _all_reduce(self, algo, tensor, op, chunk_bytes) -> None:
         op, factor = split_op(op)
