@@ -287,3 +287,32 @@ def test_tuned_buckets_only_where_deepspeed_overlaps_comm(monkeypatch, device, z
     got = engine._recommended_buckets(backend, ds_config)
     assert engine._overlaps_comm(ds_config) is expected
     assert got == (zero_buckets(BucketSizes(), element_size=4)["zero_optimization"] if expected else {})
+
+
+def _install_comm_settings(rank, world):
+    import deepspeed.comm as ds_dist
+    import deepspeed.comm.comm as ds_comm
+
+    from slipstream.core_comm import CommConfig, pool
+    from slipstream.plugins.deepspeed import install_comm, uninstall_comm
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    original = ds_comm.cdb
+    first = install_comm(CommConfig(**COMM))
+    assert install_comm(CommConfig(**COMM)) is first  # the same settings: kept
+    t = torch.ones(1000)
+    ds_dist.all_reduce(t)
+    assert pool.peek(None).config.chunk_bytes == COMM["chunk_bytes"]
+    second = install_comm(CommConfig(**{**COMM, "chunk_bytes": 2 * COMM["chunk_bytes"]}))
+    assert second is not first and second.__wrapped__ is original, "other settings must replace the stand-in"
+    assert pool.peek(None) is None  # the old settings' communicator is closed
+    ds_dist.all_reduce(t)
+    assert pool.peek(None).config.chunk_bytes == 2 * COMM["chunk_bytes"]
+    uninstall_comm()
+    assert ds_comm.cdb is original and pool.peek(None) is None
+    return t.tolist()
+
+
+def test_install_comm_with_other_settings_replaces_the_stand_in():
+    results = run_ranks(_install_comm_settings, 2, rank_env=_env(0, 0), timeout=300)
+    assert results[0] == results[1] == [4.0] * 1000

@@ -179,3 +179,63 @@ def test_hashed_group_names_follow_torch():
 
     ranks = [0, 2, 5]
     assert _hashed_name(ranks, len(c10d._world.pg_names)) == c10d._hash_ranks_to_str(ranks)
+
+
+def _requires_grad(rank: int, world: int) -> bytes:
+    t = _values(rank, 300_000).requires_grad_()
+    dist.all_reduce(t)  # gloo reduces the values of a tensor that requires grad; so must we
+    work = dist.all_reduce(t, async_op=True)
+    work.wait()
+    return _bytes(t.detach())
+
+
+def test_a_tensor_that_requires_grad_is_reduced_like_gloo():
+    stock = _load(run_ranks(_requires_grad, 2, timeout=120))
+    ours = _load(run_ranks(_requires_grad, 2, backend="slipstream", timeout=120))
+    for s, o in zip(stock, ours):
+        assert_close(o, s, rtol=0, atol=0)
+
+
+def _peer_never_arrives(rank: int, world: int) -> str:
+    import time
+
+    if rank == 1:
+        return "left"  # exits without the collective its peer makes
+    start = time.monotonic()
+    try:
+        dist.all_reduce(_values(rank, 300_000))
+    except Exception as e:  # noqa: BLE001 - the failure is the result
+        return f"{time.monotonic() - start:.1f} {e}"
+    return "no error"
+
+
+def test_a_peer_that_never_arrives_fails_within_the_timeout_not_gloos_30_minutes():
+    results = run_ranks(_peer_never_arrives, 2, backend="slipstream", env={"SLIPSTREAM_TIMEOUT_S": "3"},
+                        pg_timeout=600, timeout=120, allow_failures=True)
+    seconds, message = results[0].split(" ", 1)
+    assert float(seconds) < 3 * 1.2 + 2, results[0]
+    assert "ranks [0, 1]" in message and "did not arrive" in message, message
+
+
+def _async_error(rank: int, world: int) -> bytes:
+    t = _values(rank, 300_000)
+    bad = dist._make_nccl_premul_sum(torch.tensor(2 + 1j))  # a factor that cannot scale a float tensor
+    work = dist.all_reduce(t, op=bad, async_op=True)
+    errors = []
+    for check in (work.wait, lambda: work.get_future().value(), lambda: work.get_future().wait()):
+        try:
+            check()
+            errors.append(None)
+        except Exception as e:  # noqa: BLE001 - the failure is the result
+            errors.append(str(e))
+    t = _values(rank, 300_000)
+    dist.all_reduce(t)  # the group still works: the error was this call's alone
+    return _bytes({"errors": errors, "t": t})
+
+
+def test_an_async_error_reaches_torch_as_an_error_and_the_group_goes_on():
+    ours = _load(run_ranks(_async_error, 2, backend="slipstream", timeout=120))
+    for o in ours:
+        assert all(e is not None and "ComplexFloat" in e for e in o["errors"]), o["errors"]
+        assert_close(o["t"], _values(0, 300_000) + _values(1, 300_000), rtol=0, atol=0)
+

@@ -40,6 +40,7 @@ output tensors, as gloo's is.
 from __future__ import annotations
 
 import logging
+import time
 from datetime import timedelta
 
 import torch
@@ -79,6 +80,9 @@ class SlipstreamProcessGroup(dist.ProcessGroup):
         self._size = size
         self._global_ranks = tuple(global_ranks) if global_ranks else tuple(range(size))
         self._config = config
+        self.timeout = timeout
+        """The group's timeout (``init_process_group(timeout=)``): its communicator's waits
+        are bounded by the shorter of it and ``config.timeout_s``."""
         # the stock backends: every call the core does not take
         self._gloo = _gloo(store, rank, size, timeout, self._global_ranks, group_name)
         self._register_backend(torch.device("cpu"), BackendType.GLOO, self._gloo)
@@ -311,13 +315,55 @@ def _fits(output: torch.Tensor, input: torch.Tensor, size: int, *, gather: bool)
 
 
 def _launch(run, outputs: list, opts):
-    """Run ``run(async_op)`` and wrap it as a torch ``Work`` whose future holds ``outputs``."""
-    fut: torch.futures.Future = torch.futures.Future()
+    """Run ``run(async_op)`` and wrap it as a torch ``Work`` whose future holds ``outputs``.
+    An async call's error reaches torch as an error: ``wait()`` raises it and the future is
+    failed (``_create_work_from_future``'s ``wait`` returns even then, torch 2.13)."""
     if not opts.asyncOp:
-        run(False)
+        run(False)  # an error raises here, in the caller
+        fut: torch.futures.Future = torch.futures.Future()
         fut.set_result(outputs)
         return _create_work_from_future(fut)
-    return _create_work_from_future(as_torch_future(run(True), outputs))
+    return _FutureWork(as_torch_future(run(True), outputs))
+
+
+class _FutureWork(dist.Work):
+    """A ``Work`` over a torch future whose ``wait`` raises the future's error."""
+
+    def __init__(self, future: torch.futures.Future) -> None:
+        super().__init__()
+        self._future = future
+
+    def wait(self, timeout=None) -> bool:
+        if timeout:  # a timedelta, as torch's Work.wait takes; zero means none (kNoTimeout)
+            deadline = time.monotonic() + timeout.total_seconds()
+            while not self._future.done():
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"slipstream collective not done within {timeout}")
+                time.sleep(0.001)
+        self._future.wait()  # raises the call's error
+        return True
+
+    def is_completed(self) -> bool:
+        return self._future.done()
+
+    def is_success(self) -> bool:
+        if not self._future.done():
+            return False
+        try:
+            self._future.value()
+        except Exception:  # noqa: BLE001 - success is the absence of one
+            return False
+        return True
+
+    def exception(self):
+        try:
+            self._future.value()
+        except Exception as e:  # noqa: BLE001
+            return e
+        return None
+
+    def get_future(self) -> torch.futures.Future:
+        return self._future
 
 
 def _gloo(store, rank, size, timeout, global_ranks, group_name) -> dist.ProcessGroupGloo:

@@ -23,7 +23,9 @@ counted under the path it took (``counters``).
 from __future__ import annotations
 
 import logging
+from datetime import timedelta
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -132,7 +134,7 @@ class Communicator:
             return f"nodes hold different numbers of ranks {topo.node_sizes}"
         if topo.num_nodes > 1 and group_ranks(self.group) != sorted(group_ranks(self.group)):
             return "the group's ranks are not in global-rank order"
-        intra, inter = node_subgroups(self.group, topo)
+        intra, inter = node_subgroups(self.group, topo, timedelta(seconds=cfg.timeout_s))
         try:
             if intra is not None:
                 self.shm = ShmComm(intra, slot_bytes=cfg.slot_bytes, small_bytes=cfg.small_bytes,
@@ -315,18 +317,29 @@ class Communicator:
     # ---------------------------------------------------------------- execution
 
     def _run(self, fn, async_op: bool):
+        """Run ``fn`` now, or on the worker thread (``async_op``). A collective reduces values,
+        as gloo's does: outside autograd, also for a tensor that requires grad (DDP under
+        ``backward(create_graph=True)``), where an ``out=`` reduction would raise."""
+
+        def values_only() -> None:
+            with torch.no_grad():
+                fn()
+
         if not async_op:
             self._drain()  # keep the order of calls the same on every rank
-            fn()
+            values_only()
             return None
         if self._executor is None:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="slipstream-comm")
-        self._last = self._executor.submit(fn)
+        self._last = self._executor.submit(values_only)
         return Work(self._last)
 
     def _drain(self) -> None:
+        """Wait for the last async call (calls run in order on every rank). Its error belongs
+        to its own ``Work``, not to the next call: a broken group (a dead or mismatched peer)
+        refuses every later call by itself."""
         if self._last is not None:
-            self._last.result()
+            futures_wait([self._last])
             self._last = None
 
     def _intra(self, kind: str, nbytes: int):
@@ -406,7 +419,14 @@ def as_torch_future(work, value) -> torch.futures.Future:
             result.set_result(value)
 
     work.get_future().add_done_callback(done)
-    return result
+    # torch's set_exception completes the future *successfully* with the exception object as
+    # its value (only Python's value() re-raises it; C++ readers such as DDP's reducer take it
+    # for a tensor). Re-raising inside a callback marks the chained future failed for all.
+    return result.then(_value_or_raise)
+
+
+def _value_or_raise(fut: torch.futures.Future):
+    return fut.value()
 
 
 def _invoke(impl, kind: str, output, input, op) -> None:

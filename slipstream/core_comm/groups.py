@@ -17,6 +17,7 @@ so a second group of the same ranks gets a name of its own.
 from __future__ import annotations
 
 import hashlib
+from datetime import timedelta
 
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
@@ -36,7 +37,7 @@ def group_ranks(group: dist.ProcessGroup | None) -> list[int]:
 
 
 def node_subgroups(
-    group: dist.ProcessGroup | None, topo: Topology
+    group: dist.ProcessGroup | None, topo: Topology, timeout: timedelta | None = None
 ) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
     """``(intra, inter)`` for this rank: a gloo group of its node's ranks (None when it is
     alone on its node) and a gloo group of its peers of the same local index on the other
@@ -44,15 +45,17 @@ def node_subgroups(
     ranks = group_ranks(group)
     intra = None
     if topo.local_size > 1:
-        intra = new_gloo_group([ranks[g] for g in topo.local_ranks])
+        intra = new_gloo_group([ranks[g] for g in topo.local_ranks], timeout)
     inter = None
     if topo.num_nodes > 1:
-        inter = new_gloo_group([ranks[g] for g in topo.peers(topo.local_rank)])
+        inter = new_gloo_group([ranks[g] for g in topo.peers(topo.local_rank)], timeout)
     return intra, inter
 
 
-def new_gloo_group(ranks: list[int]) -> dist.ProcessGroup:
-    """A new gloo group of ``ranks`` (global); collective over those ranks only.
+def new_gloo_group(ranks: list[int], timeout: timedelta | None = None) -> dist.ProcessGroup:
+    """A new gloo group of ``ranks`` (global); collective over those ranks only. ``timeout``
+    bounds its creation and its calls (None: torch's default for gloo, 30 minutes): a member
+    that never arrives makes the others raise after it, naming the group's ranks.
 
     torch names a locally synchronised group by its ranks and the number of groups alive
     (``_hash_ranks_to_str``, torch 2.13). Once a group is destroyed that number falls, and a
@@ -67,7 +70,11 @@ def new_gloo_group(ranks: list[int]) -> dist.ProcessGroup:
         while _hashed_name(ranks, len(names)) in names.values():
             pads.append(object())
             names[pads[-1]] = ""
-        return dist.new_group(ranks, backend=SUBGROUP_BACKEND, use_local_synchronization=True)
+        return dist.new_group(ranks, backend=SUBGROUP_BACKEND, use_local_synchronization=True, timeout=timeout)
+    except RuntimeError as e:  # torch's store-barrier timeout, or gloo's failed connection
+        raise RuntimeError(f"slipstream: the gloo group of ranks {ranks} could not be formed within "
+                           f"{timeout or 'the default timeout'}: a member did not arrive (it died, or "
+                           f"called another collective): {e}") from e
     finally:
         for pad in pads:
             names.pop(pad, None)

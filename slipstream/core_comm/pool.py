@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import replace
+from datetime import timedelta
 
 import torch.distributed as dist
 
@@ -33,10 +35,11 @@ log = logging.getLogger("slipstream.comm")
 class CommunicatorPool:
     """Communicators by process group (None: WORLD)."""
 
-    __slots__ = ("_comms", "_warned", "_lock")
+    __slots__ = ("_comms", "_asked", "_warned", "_lock")
 
     def __init__(self) -> None:
         self._comms: dict = {}  # group -> Communicator
+        self._asked: dict = {}  # group -> the config it was built for (a tuner plan may adjust it)
         self._warned: set = set()  # (group, config) pairs already warned about
         self._lock = threading.RLock()
 
@@ -52,7 +55,8 @@ class CommunicatorPool:
                 comm = None
             if comm is None:
                 comm = self._comms[key] = _build(key, config, tuned)
-            elif config is not None and config != comm.config and (key, config) not in self._warned:
+                self._asked[key] = config
+            elif config is not None and config != self._asked[key] and (key, config) not in self._warned:
                 self._warned.add((key, config))
                 log.warning("slipstream: the communicator of group %s was built with %s; keeping it, "
                             "not %s (destroy the group or close it to change settings)", _ranks(key),
@@ -68,12 +72,13 @@ class CommunicatorPool:
         """Close ``group``'s communicator (finishing its pending calls); others stay."""
         with self._lock:
             comm = self._comms.pop(_key(group), None)
+            self._asked.pop(_key(group), None)
         if comm is not None:
             comm.close()
 
     def close_all(self) -> None:
         with self._lock:
-            comms, self._comms = list(self._comms.values()), {}
+            comms, self._comms, self._asked = list(self._comms.values()), {}, {}
         for comm in comms:
             comm.close()
 
@@ -98,9 +103,12 @@ def _build(group, config: CommConfig | None, tuned: bool) -> Communicator:
     from .backend import SlipstreamProcessGroup
     from .groups import new_gloo_group
 
+    config = config if config is not None else CommConfig.from_env()
     over = group
     if isinstance(group, SlipstreamProcessGroup):
-        over = new_gloo_group(list(group.global_ranks))
+        # every wait of its communicator within the group's own timeout, if that is shorter
+        config = replace(config, timeout_s=min(config.timeout_s, group.timeout.total_seconds()))
+        over = new_gloo_group(list(group.global_ranks), timedelta(seconds=config.timeout_s))
     if tuned:
         from .tuner import tuned_communicator
 
