@@ -31,6 +31,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache-dir", help="tuner cache (default ~/.cache/slipstream/tuner)")
     parser.add_argument("--timeout", type=float, default=300, help="seconds before every rank is killed")
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
+    parser.add_argument("--clean", action="store_true",
+                        help="only remove the shared-memory segments of dead slipstream processes "
+                             "(this user's, named slipstream-<pid>-..., creator gone) and list them")
 
 
 def versions() -> dict[str, str | None]:
@@ -96,6 +99,12 @@ def _text(r: dict) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "clean", False):
+        from slipstream.core_comm._shm_segment import sweep_stale
+
+        removed = sweep_stale()
+        print(f"removed {len(removed)} stale shared-memory segment(s)" + "".join(f"\n  {p}" for p in removed))
+        return 0
     if args.nodes > 1 and not args.link:
         raise SystemExit("--nodes > 1 needs --link (e.g. 1gbit)")
     try:

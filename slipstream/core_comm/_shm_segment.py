@@ -51,18 +51,56 @@ def _describe(fields) -> str:
     return f"{kinds.get(kind)} of {numel} x {dtypes.get(dtype)} ({ops.get(op)})"
 
 
+SHM_DIR = "/dev/shm"
+_PREFIX = "slipstream-"
+
+
+def segment_name(pid: int) -> str:
+    """A new segment's name: our prefix, the creating process, 128 random bits."""
+    return f"{_PREFIX}{pid}-{secrets.token_hex(16)}"
+
+
+def sweep_stale(directory: str = SHM_DIR) -> list[str]:
+    """Remove the segments of dead slipstream processes: named by ``segment_name``, owned by
+    this user, whose creating process is gone. Nothing else is touched. Returns the paths
+    removed. (A live segment's name exists only for the milliseconds of its set-up; one left
+    behind means its creator died then.)"""
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        parts = name[len(_PREFIX):].split("-")
+        if not name.startswith(_PREFIX) or len(parts) != 2 or not parts[0].isdigit() or len(parts[1]) != 32:
+            continue
+        path = os.path.join(directory, name)
+        try:
+            if os.stat(path, follow_symlinks=False).st_uid != os.getuid() or not _process_gone(int(parts[0])):
+                continue
+            os.unlink(path)
+        except OSError:
+            continue
+        removed.append(path)
+    return removed
+
+
 def _map_segment(group, rank: int, nbytes: int) -> tuple[mmap.mmap, str]:
     """Create (rank 0) or open (others) the group's segment and unlink its name once all
-    ranks have mapped it. Collective over ``group``."""
+    ranks have mapped it. Collective over ``group``. Rank 0 first removes stale segments of
+    dead jobs (``sweep_stale``), and unlinks only the name it created."""
     src = dist.get_global_rank(group, 0) if group is not None else 0
     path = None
+    created = False
     fd = -1
     try:
         error = None
         if rank == 0:
-            path = f"/dev/shm/slipstream-{secrets.token_hex(16)}"
+            sweep_stale()
+            path = os.path.join(SHM_DIR, segment_name(os.getpid()))
             try:
                 fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+                created = True
                 os.posix_fallocate(fd, 0, nbytes)  # fail now, not with SIGBUS mid-collective
             except OSError as e:
                 error = f"cannot allocate {nbytes} bytes in /dev/shm: {e}"
@@ -79,7 +117,7 @@ def _map_segment(group, rank: int, nbytes: int) -> tuple[mmap.mmap, str]:
     finally:
         if fd >= 0:
             os.close(fd)
-        if rank == 0 and path is not None:
+        if created:
             try:
                 os.unlink(path)
             except FileNotFoundError:

@@ -25,9 +25,11 @@ each torch op are locked instructions, which also order streaming stores. Other
 architectures are not enabled (``is_supported_platform``); callers fall back to the stock
 collective there.
 
-Set-up: rank 0 creates ``/dev/shm/slipstream-<128 random bits>`` with mode 0600, every rank
-maps it, and rank 0 unlinks the name as soon as all have mapped it. From then on nothing is
-left in /dev/shm to clean up, even if a rank is killed with SIGKILL.
+Set-up: rank 0 creates ``/dev/shm/slipstream-<its pid>-<128 random bits>`` with mode 0600,
+every rank maps it, and rank 0 unlinks the name as soon as all have mapped it (only a name it
+created). From then on nothing is left in /dev/shm to clean up, even if a rank is killed with
+SIGKILL. A rank 0 that dies during those milliseconds leaves the name behind: the next set-up
+on the machine, or ``slipstream env --clean``, removes such names of dead processes.
 """
 
 from __future__ import annotations
