@@ -36,6 +36,7 @@ sockets there. Automatic (ephemeral) ports start at 32768, so the default range
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import re
 import secrets
@@ -343,8 +344,32 @@ def _stream(proc: subprocess.Popen, prefix: str, tail: deque) -> None:
         sys.stdout.flush()
 
 
+@contextlib.contextmanager
+def _termination_unwinds():
+    """While the ranks run, SIGTERM and SIGHUP (a scheduler stopping the job) unwind like
+    Ctrl-C, so that ``_run_nodes``' cleanup stops every rank (the launchers run in sessions
+    of their own, which a signal to this process does not reach)."""
+    saved = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            if signal.getsignal(sig) is signal.SIG_DFL:
+                saved[sig] = signal.signal(sig, _exit_on_signal)
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+
+
 def _run_nodes(commands: Sequence[tuple[list[str], Mapping[str, str]]], timeout: float | None) -> None:
-    """Start one launcher per node, stream their output, fail fast on the first failure."""
+    """Start one launcher per node, stream their output, fail fast on the first failure.
+    SIGINT, SIGTERM and SIGHUP stop every rank (SIGTERM, then SIGKILL after 5 s) before this
+    returns."""
+    with _termination_unwinds():
+        _run_and_reap(commands, timeout)
+
+
+def _run_and_reap(commands: Sequence[tuple[list[str], Mapping[str, str]]], timeout: float | None) -> None:
     procs, tails, readers = [], [], []
     deadline = None if timeout is None else time.monotonic() + timeout
     try:
