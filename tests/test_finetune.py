@@ -46,3 +46,55 @@ def test_malformed_data_file_names_the_file_and_the_record(tmp_path):
     with pytest.raises(AlpacaFormatError) as err:
         main(["finetune", "--data", str(bad), "--output-dir", str(tmp_path / "o")])
     assert str(bad) in str(err.value) and "1" in str(err.value)
+
+
+def _alpaca(path, n):
+    path.write_text(json.dumps([{"instruction": f"say {i}", "input": "", "output": "ok"} for i in range(n)]))
+    return path
+
+
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("missing", "no such file"),
+        ("directory", "not a file"),
+        ("latin1", "not UTF-8 text"),
+        ("empty", "0 records, fewer than one step needs (16"),
+        ("one", "1 records, fewer than one step needs"),
+    ],
+)
+def test_bad_data_is_refused_before_any_rank_starts_naming_the_file(tmp_path, case, message):
+    path = tmp_path / "data.json"
+    if case == "directory":
+        path.mkdir()
+    elif case == "latin1":
+        path.write_bytes('[{"instruction": "caf\xe9", "output": "x"}]'.encode("latin-1"))
+    elif case in ("empty", "one"):
+        _alpaca(path, 0 if case == "empty" else 1)
+    with pytest.raises(AlpacaFormatError) as err:
+        main(["finetune", "--data", str(path), "--output-dir", str(tmp_path / "o")])
+    assert str(path) in str(err.value) and message in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--max-length", "4096"], "--max-length 4096 is above the context of model 'llama-tiny' (1024)"),
+        (["--config", "{missing}"], "not a readable JSON file"),
+        (["--config", "{bad_key}"], "slipstream: unknown key 'comms'"),
+        (["--steps", "0"], "--steps must be >= 1"),
+    ],
+)
+def test_bad_settings_are_refused_before_any_rank_starts(tmp_path, args, message):
+    bad_key = tmp_path / "ds.json"
+    bad_key.write_text(json.dumps({"slipstream": {"comms": {}}}))
+    args = [a.format(missing=tmp_path / "nope.json", bad_key=bad_key) for a in args]
+    with pytest.raises((SystemExit, ValueError)) as err:
+        main(["finetune", *args, "--output-dir", str(tmp_path / "o")])
+    assert message in str(err.value)
+
+
+def test_a_bad_environment_variable_is_refused_before_any_rank_starts(tmp_path, monkeypatch):
+    monkeypatch.setenv("SLIPSTREAM_CHUNK_BYTES", "100")
+    with pytest.raises(ValueError, match="SLIPSTREAM_CHUNK_BYTES='100'"):
+        main(["finetune", "--output-dir", str(tmp_path / "o")])

@@ -58,7 +58,13 @@ def ds_config(args) -> dict:
 
 def load_samples(args, tokenizer) -> list[dict]:
     records = load_alpaca(args.data) if args.data else generate_alpaca(args.samples, seed=args.seed)
-    return [s for s in tokenize_alpaca(records, tokenizer, max_length=args.max_length) if len(s["input_ids"]) > 1]
+    samples = tokenize_alpaca(records, tokenizer)
+    cut = sum(len(s["input_ids"]) > args.max_length for s in samples)
+    if cut and dist.get_rank() == 0:
+        print(f"finetune: {cut} of {len(samples)} samples truncated to --max-length {args.max_length} tokens",
+              flush=True)
+    samples = [{k: v[:args.max_length] for k, v in s.items()} for s in samples]
+    return [s for s in samples if len(s["input_ids"]) > 1]
 
 
 def step_micro_batches(samples, step, args, rank, world) -> list[list[dict]]:

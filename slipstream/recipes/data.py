@@ -94,8 +94,14 @@ def load_alpaca(path: str | Path) -> list[dict[str, str]]:
     """Records of an alpaca JSON file: a list of objects with string ``instruction`` and
     ``output`` and an optional string ``input``."""
     path = Path(path)
+    if not path.exists():
+        raise AlpacaFormatError(f"{path}: no such file")
+    if not path.is_file():
+        raise AlpacaFormatError(f"{path}: not a file")
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise AlpacaFormatError(f"{path}: not UTF-8 text (byte {e.start})") from None
     except json.JSONDecodeError as e:
         raise AlpacaFormatError(f"{path}: not valid JSON ({e})") from e
     if not isinstance(data, list):

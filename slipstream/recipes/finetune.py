@@ -47,11 +47,40 @@ def add_arguments(p) -> None:
     p.add_argument("--timeout", type=float, default=3600)
 
 
-def run(args) -> int:
-    if args.data is not None:
-        from .data import load_alpaca
+def validate(args) -> None:
+    """Refuse here, before any rank starts, what the ranks would refuse later: bad settings,
+    data and config files, named."""
+    from ..config import SlipstreamConfig
+    from .data import AlpacaFormatError, load_alpaca
+    from .model import context_length
 
-        load_alpaca(args.data)  # a malformed file fails here, naming the bad record
+    for name in ("steps", "batch_size", "grad_accum", "nproc", "nodes", "max_length", "samples"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    context = context_length(args.model)
+    if context is not None and args.max_length > context:
+        raise SystemExit(f"--max-length {args.max_length} is above the context of model {args.model!r} ({context})")
+    per_step = args.batch_size * args.grad_accum * args.nproc * args.nodes
+    records = load_alpaca(args.data) if args.data is not None else range(args.samples)
+    if len(records) < per_step:
+        where = args.data if args.data is not None else "--samples"
+        raise AlpacaFormatError(f"{where}: {len(records)} records, fewer than one step needs ({per_step} = "
+                                f"--batch-size x --grad-accum x ranks)")
+    if args.config is not None:
+        path = Path(args.config)
+        try:
+            config = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise SystemExit(f"--config {path}: not a readable JSON file ({e})") from None
+        if not isinstance(config, dict):
+            raise SystemExit(f"--config {path}: expected a JSON object, got {type(config).__name__}")
+        SlipstreamConfig.from_dict(config.get("slipstream", {}), where=f"{path}: slipstream")
+    else:
+        SlipstreamConfig.from_dict({})  # the SLIPSTREAM_* environment the ranks will read
+
+
+def run(args) -> int:
+    validate(args)
     impls = ["stock", "slipstream"] if args.compare else ["stock" if args.no_slipstream else "slipstream"]
     spec = ClusterSpec(nodes=args.nodes, ranks_per_node=args.nproc, link=args.link)
     results = {impl: _launch(args, impl, spec) for impl in impls}

@@ -7,12 +7,14 @@ supports. Any other name is taken as a local Hugging Face model directory.
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["MODEL_CONFIGS", "build_model", "count_parameters"]
+__all__ = ["MODEL_CONFIGS", "build_model", "context_length", "count_parameters"]
 
 _TINY = dict(
     hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
@@ -68,3 +70,15 @@ def build_model(
 
 def count_parameters(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
+
+
+def context_length(name: str) -> int | None:
+    """The longest sequence model ``name`` (a config name or a local directory) takes, or
+    None where it does not say."""
+    if name in MODEL_CONFIGS:
+        return MODEL_CONFIGS[name][1].get("max_position_embeddings")
+    config = Path(name) / "config.json"
+    if config.is_file():
+        value = json.loads(config.read_text(encoding="utf-8")).get("max_position_embeddings")
+        return value if isinstance(value, int) else None
+    return None
