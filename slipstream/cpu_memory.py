@@ -11,7 +11,7 @@ then stays at its peak, like a caching allocator's. Blocks mapped before the cal
 mappings until freed.
 
 llama-20m ZeRO-2 on 2 emulated nodes x 2 ranks of a 2-core machine: 6% more tokens/s, 12%
-less system time, 8% more peak memory (benchmarks/results/finetune_*.md, session 4).
+less system time, 8% more peak memory (KVM Xeon, chrt -f 10; benchmarks/results/finetune_*.md).
 
 Process-wide, idempotent; :func:`release_freed_memory` restores glibc's default limits and
 hands the free heap back (the threshold glibc would have adapted stays where it was: any

@@ -121,7 +121,8 @@ def _validate(args: argparse.Namespace) -> tuple[ClusterSpec, list[int], list[st
 def memory_bandwidth(nbytes: int = 512 << 20, repeats: int = 10) -> float:
     """Copy bandwidth in bytes/s (bytes read + bytes written) on all cores, best of ``repeats``.
 
-    512 MiB: past the last-level cache (300 MiB on the machine of benchmarks/results), so this
+    512 MiB: past the last-level cache (32 MiB on the EPYC of benchmarks/results, 300 MiB on the
+    Xeon it first ran on), so this
     is DRAM; buffers that fit in cache can beat the bound it gives.
     """
     threads = torch.get_num_threads()

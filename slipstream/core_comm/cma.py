@@ -23,7 +23,8 @@ into this rank's row of its output and from there into the same row of every pee
 
 Writing the results (step 2) rather than letting each rank read them after a second
 barrier: a 64 MiB fp32 allreduce on 1 node x 4 ranks (2-core KVM Xeon, chrt -f 10) took
-48-52 ms against 60-69 ms reading them, 86-94 ms for gloo (benchmarks/results/comm_xeon-*).
+48-52 ms against 60-69 ms reading them, 86-94 ms for gloo (`slipstream bench comm`; in the
+history of benchmarks/results/comm_*.md).
 The kernel copies pages at 4-6 GB/s when it reads them from DRAM but at 11 GB/s when it
 writes from a source in cache.
 
