@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -185,6 +186,14 @@ def main() -> None:
     if rank == 0:
         with open(args.out, "w") as f:
             json.dump(dict(world_size=world, backend=dist.get_backend(), records=records), f)
+    if "deepspeed" in comms:
+        # With DeepSpeed's shm extension loaded (0.19.8), a rank now and then aborts in C++
+        # teardown after every result is in ("terminate called without an active exception",
+        # one CI run in about six): leave without that teardown once all ranks are done.
+        dist.barrier()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     dist.destroy_process_group()
 
 
