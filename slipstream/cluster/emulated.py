@@ -141,6 +141,22 @@ def _exit_on_signal(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)  # unwinds through ``with`` blocks, then atexit
 
 
+def _unwind_on_termination() -> dict:
+    """Make SIGTERM and SIGHUP raise ``SystemExit`` where they would still kill this process
+    outright (main thread, default handler); returns the handlers to put back."""
+    saved = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            if signal.getsignal(sig) is signal.SIG_DFL:
+                saved[sig] = signal.signal(sig, _exit_on_signal)
+    return saved
+
+
+def _restore_handlers(saved: dict) -> None:
+    for sig, handler in saved.items():
+        signal.signal(sig, handler)
+
+
 def _close_all() -> None:
     for cluster in list(_LIVE.values()):
         cluster.close()
@@ -157,12 +173,9 @@ def _track(cluster: "EmulatedCluster", live: bool) -> None:
     if threading.current_thread() is not threading.main_thread():
         return
     if _LIVE and not _SAVED_HANDLERS:
-        for sig in (signal.SIGTERM, signal.SIGHUP):
-            if signal.getsignal(sig) is signal.SIG_DFL:
-                _SAVED_HANDLERS[sig] = signal.signal(sig, _exit_on_signal)
+        _SAVED_HANDLERS.update(_unwind_on_termination())
     elif not _LIVE:
-        for sig, handler in _SAVED_HANDLERS.items():
-            signal.signal(sig, handler)
+        _restore_handlers(_SAVED_HANDLERS)
         _SAVED_HANDLERS.clear()
 
 
@@ -349,16 +362,11 @@ def _termination_unwinds():
     """While the ranks run, SIGTERM and SIGHUP (a scheduler stopping the job) unwind like
     Ctrl-C, so that ``_run_nodes``' cleanup stops every rank (the launchers run in sessions
     of their own, which a signal to this process does not reach)."""
-    saved = {}
-    if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGTERM, signal.SIGHUP):
-            if signal.getsignal(sig) is signal.SIG_DFL:
-                saved[sig] = signal.signal(sig, _exit_on_signal)
+    saved = _unwind_on_termination()
     try:
         yield
     finally:
-        for sig, handler in saved.items():
-            signal.signal(sig, handler)
+        _restore_handlers(saved)
 
 
 def _run_nodes(commands: Sequence[tuple[list[str], Mapping[str, str]]], timeout: float | None) -> None:

@@ -21,19 +21,18 @@ for the allreduce (``slipstream bench comm``, benchmarks/results/finetune_*.md).
 from __future__ import annotations
 
 import functools
-import weakref
 
 import torch
 
-from .._patch import is_patched as _is_patched, patch, unpatch
+from .._patch import is_patched as _is_patched, patch, uninstall_all, unpatch
 
 __all__ = ["patch_zero_optimizer", "unpatch_zero_optimizer", "unpatch_all", "is_patched", "owner_layout"]
 
 _METHOD = "allreduce_and_copy_with_multiple_ranks"
+_OWNER = "deepspeed-zero"  # this module's patches, apart from the rest of the adapter's
 # Largest padded size, relative to the bucket, still worth a reduce-scatter: an allreduce
 # moves twice the bucket's bytes, so up to 1.5x padding is still cheaper across nodes.
 MAX_PADDING = 1.5
-_patched: "weakref.WeakSet" = weakref.WeakSet()
 
 
 def owner_layout(numels: list[int], owners: list, world: int) -> tuple[list[int], int, list[int]] | None:
@@ -113,19 +112,15 @@ def patch_zero_optimizer(optimizer) -> bool:
         return False
     if not isinstance(optimizer, DeepSpeedZeroOptimizer) or not hasattr(DeepSpeedZeroOptimizer, _METHOD):
         return False
-    if patch(optimizer, _METHOD, functools.partial(_reduce_to_owners, optimizer), owner="deepspeed"):
-        _patched.add(optimizer)
+    patch(optimizer, _METHOD, functools.partial(_reduce_to_owners, optimizer), owner=_OWNER)
     return True
 
 
 def unpatch_zero_optimizer(optimizer) -> None:
     """Give ``optimizer`` back DeepSpeed's method (no-op when not patched)."""
     unpatch(optimizer, _METHOD)
-    _patched.discard(optimizer)
 
 
 def unpatch_all() -> None:
     """Unpatch every optimizer patched in this process."""
-    for optimizer in list(_patched):
-        unpatch_zero_optimizer(optimizer)
-
+    uninstall_all(_OWNER)
