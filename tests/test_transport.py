@@ -135,6 +135,45 @@ def test_size_mismatch_between_peers_raises_on_both():
     run_ranks(_size_mismatch, 2, env=LOOPBACK, timeout=60)
 
 
+def _foreign_connections(rank, world):
+    """Before the peer's connections, each of rank 0's listeners gets three foreign ones: a
+    silent one, one that sends garbage, one that greets with a wrong token."""
+    import socket
+
+    from slipstream.core_comm import _tcp
+
+    _tcp._GREETING_S = 0.5
+    foreign = []
+    listen = _tcp._listen
+
+    def listen_then_knock(*args):
+        listeners = listen(*args)
+        for sock in listeners:
+            where = sock.getsockname()
+            for greeting in (b"", b"GET / HTTP/1.0\r\n\r\n" + bytes(32), _tcp._HELLO.pack(_tcp._MAGIC, bytes(16), 1, 0)):
+                foreign.append(socket.create_connection(where, timeout=5))
+                foreign[-1].sendall(greeting)
+        return listeners
+
+    _tcp._listen = listen_then_knock if rank == 0 else listen
+    try:
+        with MultiConnInter(dist.group.WORLD, connections=2, timeout_s=20) as t:
+            x = _data(rank, 7, 4099, torch.float32)
+            ref = x.clone()
+            dist.all_reduce(ref)
+            t.all_reduce(x)
+            assert torch.equal(x, ref)
+    finally:
+        _tcp._listen = listen
+        for sock in foreign:
+            sock.close()
+    return len(foreign)
+
+
+def test_foreign_connections_during_set_up_are_ignored():
+    assert run_ranks(_foreign_connections, 2, env=LOOPBACK, timeout=60) == [6, 0]
+
+
 def _port_blocks(rank, world, base):
     ports = range(base, base + 16)
     first = MultiConnInter(dist.group.WORLD, connections=2, timeout_s=20, ports=ports)

@@ -6,18 +6,21 @@ the lanes (per connection, a sending thread and a receiving thread) that run the
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import queue
 import secrets
 import socket
 import struct
 import threading
+import time
 from concurrent.futures import Future
 from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
+log = logging.getLogger("slipstream.transport")
 
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16,
            torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
@@ -25,6 +28,8 @@ _KINDS = ("all_reduce", "reduce_scatter", "all_gather")
 _MAGIC = b"SLPT"
 _HEADER = struct.Struct("<4sBBHQQQ")  # magic, kind, dtype, step, call, numel, piece bytes
 _HELLO = struct.Struct("<4s16sII")  # magic, set-up token, group rank, lane
+# How long an accepted connection may take to greet before it is dropped as foreign.
+_GREETING_S = 5.0
 # The socket timeout bounds each sendall; slicing makes it bound a stall, not a whole message.
 _SEND_SLICE = 4 << 20
 
@@ -296,7 +301,7 @@ def _bind_all(address: str, ports: Sequence[int], timeout_s: float) -> list[sock
             listeners.append(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
             listeners[-1].setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             listeners[-1].bind((address, port))
-            listeners[-1].listen(1)
+            listeners[-1].listen(8)  # room for a peer behind a foreign connection
             listeners[-1].settimeout(timeout_s)
     except BaseException:
         for sock in listeners:
@@ -306,19 +311,30 @@ def _bind_all(address: str, ports: Sequence[int], timeout_s: float) -> list[sock
 
 
 def _accept(listener: socket.socket, peer: int, c: int, token: bytes, timeout_s: float) -> socket.socket:
+    """The connection of group rank ``peer``'s lane ``c``, within ``timeout_s``. A connection
+    that does not greet as that peer of this set-up (a port scanner, a stale job, anything
+    without the token) is closed and the wait goes on: it cannot make the set-up fail."""
     where = f"{':'.join(map(str, listener.getsockname()))} (connection {c})"
-    try:
-        conn, _ = listener.accept()
-    except socket.timeout:
-        raise TransportError(f"group rank {peer} did not connect to {where} within {timeout_s:g} s") from None
-    conn.settimeout(timeout_s)
-    hello = bytearray(_HELLO.size)
-    try:
-        _recv_exact(conn, memoryview(hello))
-    except (OSError, EOFError) as e:
-        conn.close()
-        raise TransportError(f"the connection to {where} sent no greeting ({e})") from None
-    if _HELLO.unpack(hello) != (_MAGIC, token, peer, c):
-        conn.close()
-        raise TransportError(f"an unexpected connection reached {where}: not group rank {peer} of this set-up")
-    return conn
+    deadline = time.monotonic() + timeout_s
+    while (left := deadline - time.monotonic()) > 0:
+        listener.settimeout(left)
+        try:
+            conn, source = listener.accept()
+        except socket.timeout:
+            break
+        conn.settimeout(min(left, _GREETING_S))
+        hello = bytearray(_HELLO.size)
+        try:
+            _recv_exact(conn, memoryview(hello))
+        except (OSError, EOFError) as e:
+            conn.close()
+            log.warning("slipstream: ignored a connection from %s to %s: no greeting (%s)", source, where, e)
+            continue
+        if _HELLO.unpack(hello) != (_MAGIC, token, peer, c):
+            conn.close()
+            log.warning("slipstream: ignored a connection from %s to %s: not group rank %d of this set-up",
+                        source, where, peer)
+            continue
+        conn.settimeout(timeout_s)
+        return conn
+    raise TransportError(f"group rank {peer} did not connect to {where} within {timeout_s:g} s")
