@@ -55,6 +55,7 @@ from torch._C._distributed_c10d import (
 
 from ._backend_registry import BACKEND
 from . import counters, pool
+from .agree import CallCheck, checked, describe
 from .communicator import Communicator, as_torch_future
 from .config import CommConfig
 from .routing import refusal
@@ -90,6 +91,9 @@ class SlipstreamProcessGroup(dist.ProcessGroup):
         if self._nccl is not None:
             self._register_backend(torch.device("cuda"), BackendType.NCCL, self._nccl)
         self._set_default_backend(BackendType.GLOO)
+        self.call_check = CallCheck(dist.PrefixStore("slipstream-check/", store), rank, size,
+                                    min(timeout.total_seconds(), config.timeout_s))
+        """``SLIPSTREAM_DEBUG``'s same-call check, made before every collective of the group."""
 
     def getBackendName(self) -> str:  # noqa: N802 - torch's name (``pg.name()``)
         return BACKEND
@@ -111,6 +115,7 @@ class SlipstreamProcessGroup(dist.ProcessGroup):
     def allreduce(self, tensors, opts=AllreduceOptions()):
         tensors, opts = _as_list(tensors), _as_opts(opts, AllreduceOptions)
         op = opts.reduceOp
+        self._agree("all_reduce", tensors, op)
         if len(tensors) != 1:  # gloo's several-tensors form reduces across them too: stock
             return self._stock(tensors[0]).allreduce(tensors, opts)
         tensor = tensors[0]
@@ -123,6 +128,7 @@ class SlipstreamProcessGroup(dist.ProcessGroup):
         """Every tensor all-reduced, as one operation over a flat buffer."""
         opts = _as_opts(opts, AllreduceCoalescedOptions)
         op = opts.reduceOp
+        self._agree("all_reduce_coalesced", tensors, op)
         comm = None
         if tensors and all(t.dtype == tensors[0].dtype for t in tensors):
             comm = self._fast(tensors[0], op, opts, "all_reduce_coalesced", *tensors[1:], nbytes=_nbytes(*tensors))
@@ -133,6 +139,7 @@ class SlipstreamProcessGroup(dist.ProcessGroup):
     def all_gather_single(self, output, input, opts=AllgatherOptions()):
         """``output`` holds ``size()`` blocks of ``input``'s shape, in group-rank order."""
         opts = _as_opts(opts, AllgatherOptions)
+        self._agree("all_gather", output)
         comm = None
         if _fits(output, input, self._size, gather=True):
             comm = self._fast(input, ReduceOp.SUM, opts, "all_gather", output, nbytes=_nbytes(output))
@@ -144,6 +151,7 @@ class SlipstreamProcessGroup(dist.ProcessGroup):
         """``input`` holds ``size()`` blocks of ``output``'s shape; block r reduces into rank r."""
         opts = _as_opts(opts, ReduceScatterOptions)
         op = opts.reduceOp
+        self._agree("reduce_scatter", input, op)
         comm = None
         if _fits(output, input, self._size, gather=False):
             comm = self._fast(input, op, opts, "reduce_scatter", output, nbytes=_nbytes(input))
@@ -154,18 +162,22 @@ class SlipstreamProcessGroup(dist.ProcessGroup):
     def all_gather_single_coalesced(self, outputs, inputs, opts=AllgatherOptions()):
         """Coalesced ``all_gather_into_tensor``: one operation over the pairs."""
         opts = _as_opts(opts, AllgatherOptions)
+        self._agree("all_gather_coalesced", outputs)
         comm = self._fast_pairs(outputs, inputs, ReduceOp.SUM, opts, "all_gather_coalesced", gather=True)
         if comm is None:  # the stock bindings have no coalesced form: one call per pair
-            return _all_of([self.all_gather_single(o, i, opts) for o, i in zip(outputs, inputs)], outputs)
+            with checked():
+                return _all_of([self.all_gather_single(o, i, opts) for o, i in zip(outputs, inputs)], outputs)
         return _launch(lambda a: comm.all_gather_coalesced(outputs, inputs, async_op=a), outputs, opts)
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts=ReduceScatterOptions()):
         """Coalesced ``reduce_scatter_tensor``: one operation over the pairs."""
         opts = _as_opts(opts, ReduceScatterOptions)
         op = opts.reduceOp
+        self._agree("reduce_scatter_coalesced", inputs, op)
         comm = self._fast_pairs(outputs, inputs, op, opts, "reduce_scatter_coalesced", gather=False)
         if comm is None:
-            return _all_of([self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs)], outputs)
+            with checked():
+                return _all_of([self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs)], outputs)
         return _launch(lambda a: comm.reduce_scatter_coalesced(outputs, inputs, op, async_op=a), outputs, opts)
 
     # torch < 2.13 calls these names.
@@ -185,18 +197,23 @@ class SlipstreamProcessGroup(dist.ProcessGroup):
     # and calls the stock backend through its Python binding, which releases the GIL.
 
     def allgather(self, *args, **kwargs):
+        self._agree("list all_gather", _first_tensor(args, kwargs))
         return self._stock(_first_tensor(args, kwargs)).allgather(*args, **kwargs)
 
     def all_to_all_single(self, *args, **kwargs):
+        self._agree("all_to_all", _first_tensor(args, kwargs))
         return self._stock(_first_tensor(args, kwargs)).alltoall_base(*args, **kwargs)
 
     def barrier(self, *args, **kwargs):
+        self._agree("barrier", None)
         return self._gloo.barrier(*args, **kwargs)  # torch's own barrier runs on the default backend
 
     def broadcast(self, *args, **kwargs):
+        self._agree("broadcast", _first_tensor(args, kwargs))
         return self._stock(_first_tensor(args, kwargs)).broadcast(*args, **kwargs)
 
     def reduce_scatter(self, *args, **kwargs):
+        self._agree("list reduce_scatter", _first_tensor(args, kwargs))
         return self._stock(_first_tensor(args, kwargs)).reduce_scatter(*args, **kwargs)
 
     def send(self, *args, **kwargs):
@@ -220,6 +237,12 @@ class SlipstreamProcessGroup(dist.ProcessGroup):
         super().shutdown()
 
     # ---------------------------------------------------------------- routing
+
+    def _agree(self, kind: str, tensors, op=None) -> None:
+        """With ``SLIPSTREAM_DEBUG``, every rank checks that the others make this call too."""
+        if self._config.debug and self._size > 1:
+            tensor = tensors[0] if isinstance(tensors, (list, tuple)) and tensors else tensors
+            self.call_check.check(describe(kind, tensor if isinstance(tensor, torch.Tensor) else None, op))
 
     def _stock(self, tensor: torch.Tensor | None):
         """The stock backend for ``tensor``'s device (gloo when there is no NCCL or no tensor)."""
@@ -319,11 +342,14 @@ def _launch(run, outputs: list, opts):
     An async call's error reaches torch as an error: ``wait()`` raises it and the future is
     failed (``_create_work_from_future``'s ``wait`` returns even then, torch 2.13)."""
     if not opts.asyncOp:
-        run(False)  # an error raises here, in the caller
+        with checked():
+            run(False)  # an error raises here, in the caller
         fut: torch.futures.Future = torch.futures.Future()
         fut.set_result(outputs)
         return _create_work_from_future(fut)
-    return _FutureWork(as_torch_future(run(True), outputs))
+    with checked():  # the backend checked the call already
+        work = run(True)
+    return _FutureWork(as_torch_future(work, outputs))
 
 
 class _FutureWork(dist.Work):

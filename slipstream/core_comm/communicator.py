@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from . import counters
+from .agree import CallCheck, describe
 from ._compat import all_gather_into_tensor, reduce_scatter_tensor
 from .cma import MIN_BYTES as CMA_MIN_BYTES, CmaComm
 from .config import CommConfig
@@ -92,7 +93,7 @@ class Communicator:
     __slots__ = (
         "group", "config", "plan", "rank", "world", "topology",
         "shm", "cma", "hier", "unavailable",  # built algorithms, and why the others are not
-        "_staging", "_executor", "_last",
+        "_staging", "_executor", "_last", "checker",
     )
 
     def __init__(
@@ -102,8 +103,11 @@ class Communicator:
         config: CommConfig | None = None,
         topology: Topology | None = None,
         plan: Plan | None = None,
+        checker: CallCheck | None = None,
     ) -> None:
         self.group = group
+        self.checker = checker
+        """``SLIPSTREAM_DEBUG``'s same-call check (built on the first checked call if None)."""
         self.config = config if config is not None else CommConfig.from_env()
         self.plan = plan
         self.rank = dist.get_rank(group)
@@ -222,15 +226,9 @@ class Communicator:
         return algo, choice, label
 
     def _check_same_call(self, kind, tensor, op) -> None:
-        mine = (kind, tensor.numel(), str(tensor.dtype), tensor.device.type, str(split_op(op)))
-        every: list = [None] * self.world
-        dist.all_gather_object(every, mine, group=self.group)
-        differ = [r for r, call in enumerate(every) if call != mine]
-        if differ:
-            raise ValueError(
-                f"collective differs across ranks: group rank {self.rank} calls {mine}, "
-                f"group rank {differ[0]} calls {every[differ[0]]}"
-            )
+        if self.checker is None:
+            self.checker = CallCheck.for_group(self.group, self.config.timeout_s)
+        self.checker.check(describe(kind, tensor, op))
 
     # ---------------------------------------------------------------- collectives
 

@@ -104,16 +104,17 @@ def _build(group, config: CommConfig | None, tuned: bool) -> Communicator:
     from .groups import new_gloo_group
 
     config = config if config is not None else CommConfig.from_env()
-    over = group
+    over, checker = group, None
     if isinstance(group, SlipstreamProcessGroup):
         # every wait of its communicator within the group's own timeout, if that is shorter
         config = replace(config, timeout_s=min(config.timeout_s, group.timeout.total_seconds()))
         over = new_gloo_group(list(group.global_ranks), timedelta(seconds=config.timeout_s))
+        checker = group.call_check  # one sequence of checks per group, the backend's and ours
     if tuned:
         from .tuner import tuned_communicator
 
-        return tuned_communicator(over, config=config)
-    return Communicator(over, config=config)
+        return tuned_communicator(over, config=config, checker=checker)
+    return Communicator(over, config=config, checker=checker)
 
 
 # The process's pool: a communicator belongs to its group, and a group to the process.

@@ -158,18 +158,18 @@ def load_plan(comm: Communicator, *, cache_dir: str | os.PathLike | None = None)
 
 
 def tuned_communicator(group: dist.ProcessGroup | None = None, *, config: CommConfig | None = None,
-                       cache_dir: str | os.PathLike | None = None) -> Communicator:
+                       cache_dir: str | os.PathLike | None = None, checker=None) -> Communicator:
     """Collective: a communicator over ``group`` running the cached plan (else the cost model).
 
     The adapters' entry point. When the plan measured another connection count than
     ``config``'s, the communicator is built again with it (once, at set-up).
     """
-    comm = Communicator(group, config=config)
+    comm = Communicator(group, config=config, checker=checker)
     plan = load_plan(comm, cache_dir=cache_dir)
     wanted = plan.apply(comm.config)
     if wanted != comm.config:
         comm.close()
-        comm = Communicator(group, config=wanted, topology=comm.topology)
+        comm = Communicator(group, config=wanted, topology=comm.topology, checker=checker)
     comm.plan = plan
     return comm
 
