@@ -76,6 +76,7 @@ def test_single_node_launch_needs_no_namespaces(tmp_path):
     assert [s["sum"] for s in seen] == [3.0, 3.0]
 
 
+@pytest.mark.faults
 def test_failing_rank_fails_the_launch(tmp_path):
     with pytest.raises(LaunchError, match="node 0"):
         _run_worker(tmp_path, ClusterSpec(nodes=1, ranks_per_node=2), env={"FAIL_RANK": "1"})
@@ -111,6 +112,7 @@ def test_per_connection_cap_installs_one_class_per_port():
         assert "rate 1Gbit ceil 1Gbit" in classes
 
 
+@pytest.mark.faults
 @pytest.mark.netns
 def test_namespaces_are_deleted_after_normal_exit_and_after_an_error():
     with EmulatedCluster(ClusterSpec(nodes=3, link="1gbit")) as cluster:
@@ -125,6 +127,7 @@ def test_namespaces_are_deleted_after_normal_exit_and_after_an_error():
     assert not _ours()
 
 
+@pytest.mark.faults
 @pytest.mark.netns
 def test_failed_enter_removes_what_it_made(monkeypatch):
     def broken(*args, **kwargs):
@@ -144,6 +147,7 @@ def test_cluster_without_root_says_why(monkeypatch):
             pass
 
 
+@pytest.mark.faults
 def test_timeout_kills_every_rank(tmp_path):
     script = tmp_path / "sleeper.py"
     script.write_text("import os, sys, time\nopen(sys.argv[1] + f'/{os.getpid()}', 'w').close()\ntime.sleep(300)\n")

@@ -214,7 +214,7 @@ def _peer_fails_mid_call(rank, world):
 def test_a_failing_rank_makes_every_rank_raise_instead_of_hanging():
     (m0, again0), (m1, again1), (m2, again2) = run_ranks(_peer_fails_mid_call, 3, timeout=60)
     assert "local rank 2" in m1 and "No such process" in m1  # rank 1 writes to rank 2 first
-    assert "local rank 1 failed" in m0 and "local rank 1 failed" in m2
+    assert "local rank 1 (global rank 1) failed" in m0 and "local rank 1 (global rank 1) failed" in m2
     assert all("unusable" in m for m in (again0, again1, again2))
 
 

@@ -28,6 +28,7 @@ def test_a_stacks_section_honours_the_environment():
     assert (cfg.comm.slot_bytes, cfg.comm.chunk_bytes, cfg.comm.shm) == (4096, 1 << 20, False)
 
 
+@pytest.mark.faults
 @pytest.mark.parametrize(
     "environ, message",
     [
@@ -44,6 +45,7 @@ def test_a_bad_variable_is_refused_by_name_on_every_path(environ, message):
             parse()
 
 
+@pytest.mark.faults
 @pytest.mark.parametrize(
     "section, message",
     [
@@ -59,6 +61,7 @@ def test_a_bad_section_value_is_refused_by_key(section, message):
         SlipstreamConfig.from_dict(section, environ={})
 
 
+@pytest.mark.faults
 def test_a_bad_section_key_is_refused_even_when_code_gives_the_config():
     with pytest.raises(ValueError, match="slipstream.comm: unknown key 'chunk'"):
         SlipstreamConfig.from_dict({"comm": {"chunk": 1}}, code=CommConfig())

@@ -40,6 +40,7 @@ def test_embedded_default_runs_end_to_end_and_matches_stock(tmp_path):
     assert (out / "compare.png").stat().st_size > 0
 
 
+@pytest.mark.faults
 def test_malformed_data_file_names_the_file_and_the_record(tmp_path):
     bad = tmp_path / "data.json"
     bad.write_text(json.dumps([{"instruction": "a", "input": "", "output": "b"}, {"instruction": 3}]))
@@ -53,6 +54,7 @@ def _alpaca(path, n):
     return path
 
 
+@pytest.mark.faults
 @pytest.mark.parametrize(
     "case, message",
     [
@@ -76,6 +78,7 @@ def test_bad_data_is_refused_before_any_rank_starts_naming_the_file(tmp_path, ca
     assert str(path) in str(err.value) and message in str(err.value)
 
 
+@pytest.mark.faults
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -94,6 +97,7 @@ def test_bad_settings_are_refused_before_any_rank_starts(tmp_path, args, message
     assert message in str(err.value)
 
 
+@pytest.mark.faults
 def test_a_bad_environment_variable_is_refused_before_any_rank_starts(tmp_path, monkeypatch):
     monkeypatch.setenv("SLIPSTREAM_CHUNK_BYTES", "100")
     with pytest.raises(ValueError, match="SLIPSTREAM_CHUNK_BYTES='100'"):

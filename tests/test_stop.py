@@ -9,6 +9,7 @@ import time
 import pytest
 
 pytest.importorskip("deepspeed")
+pytestmark = pytest.mark.faults
 
 
 def _descendants(pid: int) -> set[int]:
@@ -34,19 +35,28 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def _netns() -> str:
+    return subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=10).stdout
+
+
+@pytest.mark.parametrize("nodes", [1, pytest.param(2, marks=pytest.mark.netns)])
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_a_signal_to_the_launcher_stops_every_rank(tmp_path, sig):
+def test_a_signal_to_the_launcher_stops_every_rank(tmp_path, sig, nodes):
+    before = _netns() if nodes > 1 else ""
+    per_node = 2 if nodes == 1 else 1
     proc = subprocess.Popen(
         [sys.executable, "-m", "slipstream.cli", "finetune", "--steps", "200", "--samples", "64",
-         "--max-length", "128", "--output-dir", str(tmp_path / "out")],
+         "--max-length", "128", "--nodes", str(nodes), "--nproc", str(per_node),
+         "--output-dir", str(tmp_path / "out")],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path,
     )
     ranks: set[int] = set()
+    expected = nodes * (1 + per_node)  # each node's torchrun and its ranks
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and len(ranks) < 3:  # torchrun and its 2 ranks
+    while time.monotonic() < deadline and len(ranks) < expected:
         time.sleep(0.5)
         ranks = _descendants(proc.pid)
-    assert len(ranks) >= 3, f"the ranks did not start: {ranks}"
+    assert len(ranks) >= expected, f"the ranks did not start: {ranks}"
     time.sleep(3)  # inside the training loop
     ranks = _descendants(proc.pid)
     sent = time.monotonic()
@@ -57,3 +67,5 @@ def test_a_signal_to_the_launcher_stops_every_rank(tmp_path, sig):
         time.sleep(0.2)
     assert proc.returncode != 0
     assert not [p for p in ranks if _alive(p)], "ranks still running after the launcher stopped"
+    if nodes > 1:
+        assert _netns() == before, "the emulated nodes' namespaces were not deleted"

@@ -114,6 +114,15 @@ def _map_segment(group, rank: int, nbytes: int) -> tuple[mmap.mmap, str]:
         mm = mmap.mmap(fd, nbytes)
         dist.barrier(group=group)
         return mm, path
+    except BaseException as e:
+        if not created:  # the creator may have died holding the name: remove it if so
+            sweep_stale()
+        if isinstance(e, RuntimeError) and not isinstance(e, ShmError):
+            # gloo's: a peer is lost, so no fallback either (ShmError would fall back); say whose
+            ranks = dist.get_process_group_ranks(group) if group is not None else "all"
+            raise RuntimeError(f"slipstream: the shared-memory set-up of global ranks {ranks} failed: one "
+                               f"of them died or did not arrive ({e})") from e
+        raise
     finally:
         if fd >= 0:
             os.close(fd)

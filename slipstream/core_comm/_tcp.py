@@ -270,7 +270,7 @@ def _connect(group, rank: int, size: int, k: int, timeout_s: float, address: str
         s.settimeout(timeout_s)
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     out, inc = (opened[:k], opened[k:]) if connects else ([], opened)
-    peers = (f"group rank {right} ({every[right][0]})", f"group rank {left} ({every[left][0]})")
+    peers = tuple(f"global rank {dist.get_global_rank(group, r)} ({every[r][0]})" for r in (right, left))
     # The listeners stay open while the transport lives, so that its ports stay its own.
     return _Lanes(out or inc, inc or out, listeners, peers, timeout_s)
 

@@ -239,8 +239,7 @@ class CmaComm:
         try:
             fn(self._pids[peer], dst, src, nbytes)
         except OSError as e:
-            self.shm.fail(f"copying {nbytes} bytes with local rank {peer} (pid {self._pids[peer]}) "
-                          f"failed: {e}")
+            self.shm.fail(f"copying {nbytes} bytes with {self.shm.who(peer, self._pids[peer])} failed: {e}")
 
     def _peers(self) -> list[int]:
         """Every other rank, starting after this one, so that ranks spread their accesses."""

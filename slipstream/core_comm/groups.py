@@ -65,6 +65,7 @@ def new_gloo_group(ranks: list[int], timeout: timedelta | None = None) -> dist.P
     """
     names = c10d._world.pg_names
     ranks = sorted(ranks)
+    _arrive(ranks, timeout or c10d.default_pg_timeout)
     pads: list = []
     try:
         while _hashed_name(ranks, len(names)) in names.values():
@@ -78,6 +79,31 @@ def new_gloo_group(ranks: list[int], timeout: timedelta | None = None) -> dist.P
     finally:
         for pad in pads:
             names.pop(pad, None)
+
+
+# How many groups of each set of ranks this process has asked for: every member asks for the
+# same ones in the same order, so the count tells one creation's arrivals from another's.
+_ASKED: dict[tuple, int] = {}
+
+
+def _arrive(ranks: list[int], timeout: timedelta) -> None:
+    """Every member of a new group announces itself on the default store and waits, within
+    ``timeout``, for the others; the error names the global ranks that did not come. (torch's
+    own barrier counts arrivals, so it cannot say who is missing.)"""
+    key = tuple(ranks)
+    _ASKED[key] = n = _ASKED.get(key, 0) + 1
+    tag = hashlib.sha1("_".join(map(str, ranks)).encode(), usedforsecurity=False).hexdigest()[:16]
+    store = dist.PrefixStore(f"slipstream-arrive/{tag}/{n}/", c10d._get_default_store())
+    store.set(str(dist.get_rank()), "1")
+    try:
+        store.wait([str(r) for r in ranks], timeout)
+    except Exception as e:  # noqa: BLE001 - the store's timeout, or its host is gone
+        try:
+            missing, why = [r for r in ranks if not store.check([str(r)])], ""
+        except Exception:  # noqa: BLE001
+            missing, why = "unknown", f" (the store is unreachable: {e})"
+        raise RuntimeError(f"slipstream: global rank(s) {missing} did not arrive within {timeout} to form "
+                           f"the gloo group of ranks {ranks} (dead, or calling another collective){why}") from None
 
 
 def _hashed_name(ranks: list[int], alive: int) -> str:

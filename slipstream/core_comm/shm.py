@@ -67,7 +67,7 @@ class ShmComm:
 
     __slots__ = (
         # set-up
-        "group", "rank", "world", "slot_bytes", "small_bytes", "timeout", "segment_name",
+        "group", "rank", "world", "global_ranks", "slot_bytes", "small_bytes", "timeout", "segment_name",
         # the mapping and views into it
         "_mm", "_ctrl", "_steps", "_inputs", "_results", "_views",
         # progress
@@ -91,6 +91,7 @@ class ShmComm:
         self.group = group
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
+        self.global_ranks = dist.get_process_group_ranks(group) if group is not None else list(range(self.world))
         self.slot_bytes = slot_bytes
         self.small_bytes = small_bytes
         self.timeout = timeout
@@ -205,7 +206,7 @@ class ShmComm:
         self._sync()
         aborted = np.flatnonzero(self._ctrl[:, _SEQ] == _ABORTED)
         if aborted.size:
-            self.fail(f"local rank {int(aborted[0])} failed during collective #{self._seq}")
+            self.fail(f"{self.who(int(aborted[0]))} failed during collective #{self._seq}")
 
     def close(self) -> None:
         self._broken = self._broken or "closed"
@@ -330,10 +331,10 @@ class ShmComm:
         for r in late:
             pid = int(self._ctrl[r, _PID])
             if _process_gone(pid):
-                self.fail(f"local rank {r} (pid {pid}) died during a collective")
+                self.fail(f"{self.who(r, pid)} died during a collective")
         if waited > self.timeout:
             self.fail(
-                f"timed out after {waited:.0f}s waiting for local ranks {late}: are all ranks "
+                f"timed out after {waited:.0f}s waiting for {', '.join(self.who(r) for r in late)}: are all ranks "
                 "calling the same collective with the same tensor size, dtype and device? "
                 "(SLIPSTREAM_DEBUG=1 checks this before every collective)"
             )
@@ -349,9 +350,13 @@ class ShmComm:
         if bad.size:
             r = int(bad[0])
             self.fail(
-                f"collective #{self._seq} differs between ranks: local rank {self.rank} runs "
-                f"{_describe(mine[_KIND:])}, local rank {r} runs {_describe(fields[r])}"
+                f"collective #{self._seq} differs between ranks: {self.who(self.rank)} runs "
+                f"{_describe(mine[_KIND:])}, {self.who(r)} runs {_describe(fields[r])}"
             )
+
+    def who(self, r: int, pid: int | None = None) -> str:
+        """Local rank ``r`` as errors name it: ``local rank 1 (global rank 3, pid 4242)``."""
+        return f"local rank {r} (global rank {self.global_ranks[r]}" + (f", pid {pid})" if pid else ")")
 
     def fail(self, why: str) -> None:
         """Mark the communicator unusable and raise ``ShmError(why)``."""

@@ -1,0 +1,112 @@
+"""One rank of a fault-injection case (``test_faults.py``): ``python _fault_worker.py CASE``.
+
+Environment: the usual RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT (the store is the
+harness's, as torchrun's agent holds it), ``FAULT_VICTIM`` (the rank that does the fault),
+``FAULT_OP`` (all_reduce, reduce_scatter, all_gather), ``FAULT_PG_TIMEOUT`` (the group's
+timeout, seconds), plus any ``SLIPSTREAM_*``.
+
+Cases, from the victim's side (every other rank keeps calling ``FAULT_OP`` on a 16 MiB tensor):
+    before_first    exits right after ``init_process_group``
+    setup           exits during the communicator's set-up, holding a new shared-memory segment
+    mid             exits 50 ms into its 4th collective (from a timer thread)
+    frozen          stops itself (SIGSTOP) before its 4th collective
+    mismatch        calls its 4th collective with a different size
+    other_call      calls a broadcast where the others call ``FAULT_OP``
+
+Each rank prints ``FAULT <unix time>`` just before its fault (or mismatched call), and a rank
+whose collective raises prints ``ERROR <type>: <message>`` and exits 1. A rank that completes
+every collective exits 0.
+"""
+
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+import slipstream
+
+N = 4 << 20  # 16 MiB of float32: above the hierarchical path's minimum
+CALLS = 200  # back to back: a fault from a timer lands inside one of them
+
+
+def _fault_now() -> None:
+    print(f"FAULT {time.time():.3f}", flush=True)
+
+
+def _die_holding_a_segment() -> None:
+    """Make group rank 0 of the communicator exit once its segment exists, before the others
+    learn the name (the set-up's window in which only the creator knows it)."""
+    from slipstream.core_comm import _shm_segment
+
+    class Dist:
+        def __getattr__(self, name):
+            return getattr(dist, name)
+
+        @staticmethod
+        def broadcast_object_list(*args, **kwargs):
+            _fault_now()
+            os._exit(3)
+
+    _shm_segment.dist = Dist()
+
+
+def _call(op: str, x: torch.Tensor, world: int) -> None:
+    if op == "all_reduce":
+        dist.all_reduce(x)
+    elif op == "reduce_scatter":
+        dist.reduce_scatter_tensor(torch.empty(x.numel() // world), x)
+    else:
+        dist.all_gather_into_tensor(torch.empty(x.numel() * world), x)
+
+
+def main(case: str) -> int:
+    slipstream.enable()
+    dist.init_process_group("slipstream", timeout=timedelta(seconds=float(os.environ["FAULT_PG_TIMEOUT"])))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    victim = rank == int(os.environ.get("FAULT_VICTIM", "1"))
+    op = os.environ.get("FAULT_OP", "all_reduce")
+    if victim and case == "before_first":
+        _fault_now()
+        os._exit(3)
+    if victim and case == "setup":
+        _die_holding_a_segment()
+    x = torch.ones(N)
+    try:
+        for i in range(CALLS):
+            if victim and i == 3:
+                if case == "mid":
+                    threading.Timer(0.05, _fault_now_and_exit).start()
+                elif case == "frozen":
+                    _fault_now()
+                    os.kill(os.getpid(), signal.SIGSTOP)
+                elif case == "mismatch":
+                    _fault_now()
+                    x = torch.ones(N + 1024)
+                elif case == "other_call":
+                    _fault_now()
+                    dist.broadcast(x, 0)
+                    continue
+            elif i == 3 and case in ("mismatch", "other_call"):
+                _fault_now()  # the disagreement starts when the last rank makes its call
+            _call(op, x, world)
+    except Exception as e:  # noqa: BLE001 - reported to the harness
+        traceback.print_exc()
+        print(f"ERROR {type(e).__name__}: {e}", flush=True)
+        sys.exit(1)  # with the interpreter's teardown, as a script that raises has
+    dist.destroy_process_group()
+    return 0
+
+
+def _fault_now_and_exit() -> None:
+    _fault_now()
+    os._exit(3)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))

@@ -1,0 +1,160 @@
+"""Fault injection: a rank that dies, freezes or calls the wrong collective makes every other
+rank exit non-zero within the group's timeout (plus a small margin), with a message that
+names the cause, and leaves nothing behind in /dev/shm.
+
+Each case starts its ranks as separate processes (``_fault_worker.py``) around a store held
+by this process, as torchrun's agent holds it, so a dying rank 0 does not take the store with
+it and the survivors' own handling is what is measured. ``pytest -m faults`` runs the whole
+fault suite (these cases, the launcher's signals, segments, the transport's foreign
+connections, bad settings and data). With ``SLIPSTREAM_FAULTS_REPORT=path`` each case appends
+its slowest exit, as a multiple of the timeout, to ``path`` (one JSON object per line).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from slipstream.core_comm._shm_segment import SHM_DIR
+
+pytestmark = pytest.mark.faults
+
+WORKER = os.path.join(os.path.dirname(__file__), "_fault_worker.py")
+TIMEOUT_S = 5.0
+MARGIN_S = 3.0  # a survivor's interpreter teardown after the error, on a loaded 2-core machine
+
+
+def _ours() -> set[str]:
+    return {n for n in os.listdir(SHM_DIR) if n.startswith("slipstream")} if os.path.isdir(SHM_DIR) else set()
+
+
+def _netns() -> str:
+    try:
+        return subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def run_case(tmp_path, case: str, *, nodes: int = 1, per_node: int = 2, victim: int = 1,
+             op: str = "all_reduce", env: dict | None = None, pg_timeout: float = TIMEOUT_S) -> dict:
+    """Run one case; return each rank's exit code, exit time and output, and the fault time."""
+    world = nodes * per_node
+    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=60))
+    base = {k: v for k, v in os.environ.items() if not k.startswith("SLIPSTREAM")}
+    base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), WORLD_SIZE=str(world),
+                TORCHELASTIC_USE_AGENT_STORE="True", GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1",
+                FAULT_VICTIM=str(victim), FAULT_OP=op, FAULT_PG_TIMEOUT=str(pg_timeout),
+                SLIPSTREAM_TIMEOUT_S=str(TIMEOUT_S))
+    base.update(env or {})
+    procs, logs = [], []
+    for rank in range(world):
+        log = open(tmp_path / f"{case}-{rank}.log", "w+")
+        rank_env = dict(base, RANK=str(rank), LOCAL_RANK=str(rank % per_node),
+                        SLIPSTREAM_NODE=str(rank // per_node))
+        procs.append(subprocess.Popen([sys.executable, WORKER, case], env=rank_env, stdout=log,
+                                      stderr=subprocess.STDOUT, start_new_session=True))
+        logs.append(log)
+    ended: dict[int, float] = {}
+    deadline = time.time() + 90 + pg_timeout
+    try:
+        while time.time() < deadline:
+            for rank, p in enumerate(procs):
+                if rank not in ended and p.poll() is not None:
+                    ended[rank] = time.time()
+            if all(r in ended for r in range(world) if r != victim):
+                break
+            time.sleep(0.02)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+        del store
+    outputs = []
+    for log in logs:
+        log.seek(0)
+        outputs.append(log.read())
+        log.close()
+    faults = [float(m) for out in outputs for m in re.findall(r"^FAULT (\S+)$", out, re.M)]
+    return {"rc": [p.returncode for p in procs], "ended": ended, "out": outputs,
+            "fault": max(faults) if faults else None}
+
+
+def _check(res: dict, case: str, victim: int, cause: str, timeout_s: float = TIMEOUT_S) -> float:
+    """Every survivor exited non-zero within the bound, naming ``cause`` (a regex). Returns the
+    slowest exit after the fault, as a multiple of the timeout."""
+    survivors = [r for r in range(len(res["rc"])) if r != victim]
+    assert res["fault"] is not None, f"{case}: the fault did not happen:\n" + "\n".join(res["out"])
+    slowest = 0.0
+    for r in survivors:
+        out = res["out"][r]
+        assert r in res["ended"], f"{case}: rank {r} still running {90 + timeout_s:g} s after the fault:\n{out}"
+        assert res["rc"][r] not in (0, None), f"{case}: rank {r} exited 0:\n{out}"
+        errors = re.findall(r"^ERROR (.*)$", out, re.M)
+        assert errors, f"{case}: rank {r} did not report an error:\n{out}"
+        assert re.search(cause, errors[0]), f"{case}: rank {r}'s error does not name the cause ({cause}):\n{errors[0]}"
+        slowest = max(slowest, res["ended"][r] - res["fault"])
+    assert slowest <= 1.2 * timeout_s + MARGIN_S, f"{case}: slowest survivor exit {slowest:.1f} s after the fault"
+    report = os.environ.get("SLIPSTREAM_FAULTS_REPORT")
+    if report:
+        with open(report, "a") as f:
+            f.write(json.dumps({"case": case, "timeout_s": timeout_s, "slowest_s": round(slowest, 2),
+                                "ratio": round(slowest / timeout_s, 3)}) + "\n")
+    return slowest / timeout_s
+
+
+@pytest.fixture
+def clean():
+    """/dev/shm (our names) and the network namespaces are as they were."""
+    shm, netns = _ours(), _netns()
+    yield
+    assert _ours() <= shm, f"left in {SHM_DIR}: {sorted(_ours() - shm)}"
+    assert _netns() == netns, "network namespaces changed"
+
+
+# Who the survivors name: a rank (global or group), its pid, or the store key of a missing rank.
+DIED = r"(rank|pid) \d|did not arrive|closed by the peer|connection lost|Connection (closed|reset)"
+TIMED = r"within [\d.]+ ?s|timed? ?out|Timed out|no progress"
+
+CASES = [
+    # case, nodes, victim, op, extra env, what the survivors' error must name
+    ("before_first", 1, 1, "all_reduce", {}, DIED),
+    ("before_first", 2, 3, "all_reduce", {"SLIPSTREAM_CONNECTIONS": "2"}, DIED),
+    ("setup", 1, 0, "all_reduce", {}, DIED),
+    ("setup", 2, 2, "all_reduce", {"SLIPSTREAM_CONNECTIONS": "2"}, DIED),
+    ("mid", 1, 1, "all_reduce", {}, DIED),
+    ("mid", 1, 0, "reduce_scatter", {}, DIED),
+    ("mid", 1, 1, "all_gather", {}, DIED),
+    ("mid", 2, 2, "all_reduce", {"SLIPSTREAM_CONNECTIONS": "2"}, DIED),
+    ("mid", 2, 1, "reduce_scatter", {"SLIPSTREAM_CONNECTIONS": "2"}, DIED),
+    ("mid", 2, 3, "all_gather", {"SLIPSTREAM_CONNECTIONS": "2"}, DIED),
+    ("frozen", 1, 1, "all_reduce", {}, TIMED),
+    ("frozen", 2, 2, "all_reduce", {"SLIPSTREAM_CONNECTIONS": "2"}, TIMED),
+    ("mismatch", 1, 1, "all_reduce", {}, r"differ"),
+    ("mismatch", 1, 1, "all_reduce", {"SLIPSTREAM_DEBUG": "1"}, r"differs across ranks.*calls all_reduce of"),
+    ("other_call", 1, 1, "all_reduce", {"SLIPSTREAM_DEBUG": "1"}, r"group rank \d calls broadcast"),
+    ("other_call", 1, 1, "all_reduce", {}, TIMED + "|" + DIED),
+]
+
+
+@pytest.mark.parametrize("case,nodes,victim,op,env,cause", CASES,
+                         ids=[f"{c[0]}-{c[1]}node-r{c[2]}-{c[3]}{'-' + '-'.join(c[4]) if c[4] else ''}" for c in CASES])
+def test_survivors_exit_within_the_timeout_naming_the_cause(tmp_path, clean, case, nodes, victim, op, env, cause):
+    res = run_case(tmp_path, case, nodes=nodes, victim=victim, op=op, env=env)
+    _check(res, case, victim, cause)
+
+
+def test_the_group_timeout_bounds_a_frozen_rank_when_it_is_the_shorter(tmp_path, clean):
+    """``init_process_group(timeout=)`` shorter than ``SLIPSTREAM_TIMEOUT_S``: the group's wins."""
+    res = run_case(tmp_path, "frozen", env={"SLIPSTREAM_TIMEOUT_S": "600"}, pg_timeout=TIMEOUT_S)
+    _check(res, "frozen (group timeout)", 1, TIMED)
