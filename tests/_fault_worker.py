@@ -71,6 +71,10 @@ def main(case: str) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     victim = rank == int(os.environ.get("FAULT_VICTIM", "1"))
     op = os.environ.get("FAULT_OP", "all_reduce")
+    # Every rank is past init_process_group (whose own failures are torch's) before any fault.
+    store = dist.distributed_c10d._get_default_store()
+    store.set(f"fault-ready/{rank}", "1")
+    store.wait([f"fault-ready/{r}" for r in range(world)], timedelta(seconds=60))
     if victim and case == "before_first":
         _fault_now()
         os._exit(3)
