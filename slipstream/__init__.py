@@ -5,15 +5,17 @@ padding-removal pass, ``slipstream.plugins`` the thin adapters for each training
 
 Importing slipstream registers the ``slipstream`` torch.distributed backend, so that
 ``dist.init_process_group("slipstream")`` works; it changes no default. ``slipstream.enable()``
-makes it the default for CPU, ``slipstream.disable()`` undoes that exactly. Importing
+makes it the default for CPU, ``slipstream.disable()`` undoes that exactly, and
+``slipstream.status()`` says what slipstream is doing in this process. Importing
 slipstream imports torch.distributed, never an optional framework.
 """
 
 from .core_comm._backend_registry import register as _register
 from .core_comm.ddp_hook import DDPHookState, ddp_hook
+from .report import status
 from .switch import disable, enable, is_enabled
 
 __version__ = "0.1.0"
-__all__ = ["DDPHookState", "__version__", "ddp_hook", "disable", "enable", "is_enabled"]
+__all__ = ["DDPHookState", "__version__", "ddp_hook", "disable", "enable", "is_enabled", "status"]
 
 _register()

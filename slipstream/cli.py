@@ -18,13 +18,14 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("bench", "transport"): ("slipstream.bench.transport", "inter-node transport: K connections vs 1"),
     ("finetune",): ("slipstream.recipes.finetune", "fine-tune a causal LM with DeepSpeed ZeRO (+ slipstream)"),
     ("tune",): ("slipstream.commands.tune", "measure and cache the best algorithm per size"),
-    ("env",): ("slipstream.commands.env", "topology, backend, active fast paths, versions"),
+    ("env",): ("slipstream.commands.env", "this machine: topology, fast paths, tuned plan, versions"),
 }
 
 
 def _usage() -> str:
     rows = [f"  slipstream {' '.join(words):<16} {help_}" for words, (_, help_) in COMMANDS.items()]
-    return "usage: slipstream COMMAND [options]\n\ncommands:\n" + "\n".join(rows) + "\n"
+    return ("usage: slipstream COMMAND [options] | slipstream --version\n\ncommands:\n" + "\n".join(rows)
+            + "\n\nIn a job, slipstream.status() says what slipstream does there.\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,6 +36,11 @@ def main(argv: list[str] | None = None) -> int:
             parser = argparse.ArgumentParser(prog="slipstream " + " ".join(words), description=help_)
             module.add_arguments(parser)
             return int(module.run(parser.parse_args(argv[len(words):])) or 0)
+    if argv[:1] in (["--version"], ["-V"]):
+        from importlib import metadata
+
+        sys.stdout.write(f"slipstream {metadata.version('slipstream')}\n")
+        return 0
     sys.stdout.write(_usage())
     return 0 if argv[:1] in (["-h"], ["--help"]) else 2
 

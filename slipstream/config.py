@@ -13,6 +13,7 @@ DeepSpeed JSON, an accelerate plugin, Megatron arguments); all of them are parse
 
 from __future__ import annotations
 
+import difflib
 import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
@@ -96,9 +97,11 @@ def _require_mapping(value, where: str) -> None:
 
 
 def _reject_unknown(section: Mapping, allowed: set, where: str) -> None:
-    unknown = sorted(set(section) - allowed)
+    unknown = sorted(set(section) - allowed, key=str)
     if unknown:
-        raise ValueError(f"{where}: unknown key {unknown[0]!r}; allowed keys: {', '.join(sorted(allowed))}")
+        close = difflib.get_close_matches(str(unknown[0]), sorted(allowed), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ValueError(f"{where}: unknown key {unknown[0]!r}{hint}; allowed keys: {', '.join(sorted(allowed))}")
 
 
 def _typed(value, kind: type, where: str):

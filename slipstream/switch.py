@@ -17,13 +17,18 @@ they were before the first ``enable``. Groups already created keep working.
 
 from __future__ import annotations
 
+import functools
+import sys
+
 import torch.distributed as dist
 
 from .core_comm import _backend_registry as registry
 from .core_comm.config import CommConfig
 from .plugins import autoload
+from .plugins._patch import patch, unpatch
+from .report import warn_once
 
-__all__ = ["disable", "enable", "is_enabled"]
+__all__ = ["disable", "enable", "is_enabled", "note_source"]
 
 _DEVICE = "cpu"
 
@@ -31,10 +36,12 @@ _DEVICE = "cpu"
 class _Switch:
     """What ``enable`` changed: the state of torch's tables before it (None: not enabled)."""
 
-    __slots__ = ("before",)
+    __slots__ = ("before", "source")
 
     def __init__(self) -> None:
         self.before: dict | None = None
+        self.source = ""
+        """Who turned it on: ``enable()``, ``SLIPSTREAM=1`` (the start-up hook)."""
 
 
 _SWITCH = _Switch()
@@ -49,9 +56,11 @@ def enable(config: CommConfig | None = None) -> None:
         raise TypeError(f"config must be a CommConfig, got {type(config).__name__}")
     if _SWITCH.before is None:
         _SWITCH.before = registry.snapshot()
+        _SWITCH.source = "enable()"
     registry.register(config)
     registry.install_barrier_shim()
     dist.Backend.default_device_backend_map[_DEVICE] = registry.BACKEND
+    _watch_init()
     # Stacks that name their backend themselves (DeepSpeed) are switched by their adapter,
     # installed when the stack is imported (now, if it already is).
     autoload.install_hooks()
@@ -62,8 +71,33 @@ def disable() -> None:
     if _SWITCH.before is None:
         return
     registry.restore(_SWITCH.before)
+    unpatch(dist, "init_process_group")
     autoload.remove_hooks()
     _SWITCH.before = None
+    _SWITCH.source = ""
+
+
+def _watch_init() -> None:
+    """Wrap ``init_process_group`` to say when a named backend keeps the default group stock."""
+    original = dist.init_process_group
+
+    @functools.wraps(original)
+    def init_process_group(*args, **kwargs):
+        result = original(*args, **kwargs)
+        backend = dist.get_backend_config()  # "cpu:gloo"; get_backend() says "undefined" for ours
+        if registry.BACKEND not in backend and "deepspeed" not in sys.modules:
+            warn_once(f"slipstream is on, but init_process_group was given backend {backend!r}: the "
+                      "default group's collectives stay stock. Leave the backend out (or name "
+                      f"{registry.BACKEND!r}) to route them through slipstream.")
+        return result
+
+    patch(dist, "init_process_group", init_process_group, owner="switch")
+
+
+def note_source(source: str) -> None:
+    """Record who turned slipstream on (the start-up hook says ``SLIPSTREAM=1``)."""
+    if _SWITCH.before is not None:
+        _SWITCH.source = source
 
 
 def is_enabled() -> bool:

@@ -121,7 +121,7 @@ def test_flex_document_mask_matches_padded_forward_without_grad(name):
         a = ours(input_ids=ids, attention_mask=mask, labels=labels)
         b = ref(input_ids=ids, attention_mask=mask, labels=labels)
     torch.testing.assert_close(a.loss, b.loss, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(a.logits[0], b.logits[mask.bool()], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(a.logits[mask.bool()], b.logits[mask.bool()], rtol=1e-4, atol=1e-5)
 
 
 def test_unpatch_restores_the_model_bit_for_bit():
@@ -170,10 +170,41 @@ def test_unavailable_named_backend_is_refused_not_replaced():
         model(input_ids=ids, attention_mask=mask)
 
 
-def test_inner_model_call_without_metadata_is_refused():
-    model = apply_varlen(_model())
-    with pytest.raises(RuntimeError, match="without packed-sequence metadata"):
-        model.model(input_ids=torch.tensor([[1, 2, 3]]))
+def test_the_decoder_called_directly_runs_packed_and_answers_in_the_callers_layout():
+    """TRL's fused LM head runs ``model.model`` itself: it gets the padded layout back."""
+    ref = _model()
+    ours = apply_varlen(copy.deepcopy(ref))
+    ids, mask, _ = _padded([5, 22, 17])
+    a = ours.model(input_ids=ids, attention_mask=mask).last_hidden_state
+    b = ref.model(input_ids=ids, attention_mask=mask).last_hidden_state
+    assert a.shape == b.shape
+    torch.testing.assert_close(a[mask.bool()], b[mask.bool()], rtol=1e-4, atol=1e-5)
+    layer = ours.model.layers[0]
+    with pytest.raises(RuntimeError, match="without packed-sequence metadata"):  # a layer alone cannot know
+        layer.self_attn(torch.zeros(1, 3, ours.config.hidden_size),
+                        position_embeddings=ours.model.rotary_emb(torch.zeros(1, 3, 1), torch.arange(3)[None]),
+                        attention_mask=None)
+
+
+def test_a_forward_wrapped_by_another_library_is_kept_and_the_decoder_runs_packed():
+    ref = _model()
+    ours = copy.deepcopy(ref)
+    calls = []
+    inner_forward = ours.forward
+
+    def wrapper(*args, **kwargs):  # as accelerate's or TRL's instance-level wrappers
+        calls.append(1)
+        return inner_forward(*args, **kwargs)
+
+    ours.forward = wrapper
+    apply_varlen(ours)
+    assert ours.forward is wrapper
+    ids, mask, labels = _padded([9, 3, 14])
+    a, b = ours(input_ids=ids, attention_mask=mask, labels=labels), ref(input_ids=ids, attention_mask=mask, labels=labels)
+    assert calls and a.logits.shape == b.logits.shape
+    torch.testing.assert_close(a.loss, b.loss, rtol=1e-5, atol=1e-6)
+    unpatch_varlen(ours)
+    assert ours.forward is wrapper and "forward" not in vars(ours.model)
 
 
 def test_generation_style_call_uses_original_forward():

@@ -82,3 +82,32 @@ def test_trainer_with_flatten_collator_matches_padded_training(tmp_path, monkeyp
     names = list(padded_weights)
     assert_close_through_adam([varlen_weights[n] for n in names], [padded_weights[n] for n in names],
                               varlen_grads, padded_grads, lr=1e-3, names=names)
+
+
+def _evaluate(tmp_path, varlen):
+    """``Trainer.evaluate`` with a token-accuracy ``compute_metrics`` (needs the logits in the
+    labels' layout), on padded batches."""
+    transformers = pytest.importorskip("transformers")
+    model = build_model("llama-tiny", vocab_size=VOCAB, seed=3)
+    if varlen:
+        apply_varlen(model)  # the default logits layout: padded wherever a caller reads them
+
+    def token_accuracy(pred):
+        logits, labels = pred.predictions, pred.label_ids
+        logits = logits[0] if isinstance(logits, tuple) else logits
+        hit = logits[:, :-1].argmax(-1) == labels[:, 1:]
+        real = labels[:, 1:] != -100
+        return {"accuracy": float((hit & real).sum() / real.sum()), "logits_shape": str(logits.shape)}
+
+    args = transformers.TrainingArguments(output_dir=str(tmp_path / f"eval-{varlen}"), per_device_eval_batch_size=4,
+                                          report_to=[], use_cpu=True, dataloader_num_workers=0)
+    trainer = transformers.Trainer(model=model, args=args, eval_dataset=_dataset(), data_collator=_pad,
+                                   compute_metrics=token_accuracy)
+    return trainer.evaluate()
+
+
+def test_evaluate_with_compute_metrics_sees_padded_logits_and_equals_stock(tmp_path):
+    ours, ref = _evaluate(tmp_path, varlen=True), _evaluate(tmp_path, varlen=False)
+    assert ours["eval_logits_shape"] == ref["eval_logits_shape"]
+    assert ours["eval_accuracy"] == ref["eval_accuracy"]
+    assert ours["eval_loss"] == pytest.approx(ref["eval_loss"], rel=1e-5)

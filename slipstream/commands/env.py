@@ -78,8 +78,11 @@ def _choice_ranges(choices: list[dict], world: int) -> list[tuple[str, str]]:
 
 def _text(r: dict) -> str:
     t, fp, tuned = r["topology"], r["fast_paths"], r["tuned"]
-    lines = [f"world size {r['world_size']}, backend {r['backend']}; {t['num_nodes']} node(s) of "
-             f"{t['node_sizes']} ranks (node of each rank {t['node_of']})", "fast paths:"]
+    lines = [f"this machine, probed by {r['world_size']} ranks of slipstream env's own (not your job: "
+             "slipstream.status() in a job says what slipstream does there)",
+             f"probe group: backend {r['backend']} with slipstream's communicator over it; "
+             f"{t['num_nodes']} node(s) of {t['node_sizes']} ranks (node of each rank {t['node_of']})",
+             f"start-up hook: {r.get('autoload', '?')}", "fast paths of the communicator:"]
     for name, p in fp.items():
         state = "active" if p["active"] else f"off: {p['why_not']}"
         lines.append(f"  {name:<17} {state}")
@@ -90,7 +93,9 @@ def _text(r: dict) -> str:
         lines.append(f"  {x['kind']:<15} {_size(x['size_bytes']):>8}: {x['algorithm']}{why} -> "
                      f"{x['tuned_algorithm']}{chunk}" + (f" ({x['tuned_reason']})" if x["tuned_reason"] else ""))
     b = tuned["buckets"]
-    lines += [f"tuned plan: {tuned['source']} ({tuned['cache_file']}), connections {tuned['connections']}"]
+    cache = tuned["cache_file"] if os.path.exists(tuned["cache_file"]) else \
+        f"no cache file yet; `slipstream tune` writes {tuned['cache_file']}"
+    lines += [f"tuned plan: {tuned['source']} ({cache}), connections {tuned['connections']}"]
     lines += [f"  {kind:<15} {ranges}" for kind, ranges in _choice_ranges(tuned["choices"], r["world_size"])]
     lines += [
               f"  buckets: DDP {b['ddp']}, DeepSpeed {b['deepspeed']}, FSDP {b['fsdp']}",
@@ -122,6 +127,9 @@ def run(args: argparse.Namespace) -> int:
             result = json.load(f)
     result["launch"] = {"nodes": spec.nodes, "ranks_per_node": spec.ranks_per_node, "link": spec.link}
     result["versions"] = versions()
+    from slipstream.report import _autoload
+
+    result["autoload"] = _autoload()
     if args.json:
         json.dump(result, sys.stdout, indent=1)
         sys.stdout.write("\n")

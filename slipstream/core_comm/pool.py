@@ -27,7 +27,7 @@ import torch.distributed as dist
 from .communicator import Communicator
 from .config import CommConfig
 
-__all__ = ["CommunicatorPool", "close", "close_all", "get", "peek"]
+__all__ = ["CommunicatorPool", "close", "close_all", "get", "items", "peek"]
 
 log = logging.getLogger("slipstream.comm")
 
@@ -56,6 +56,9 @@ class CommunicatorPool:
             if comm is None:
                 comm = self._comms[key] = _build(key, config, tuned)
                 self._asked[key] = config
+                from ..report import announce
+
+                announce()
             elif config is not None and config != self._asked[key] and (key, config) not in self._warned:
                 self._warned.add((key, config))
                 log.warning("slipstream: the communicator of group %s was built with %s; keeping it, "
@@ -67,6 +70,11 @@ class CommunicatorPool:
         """The built communicator of ``group``, or None; never builds."""
         with self._lock:
             return self._comms.get(_key(group))
+
+    def items(self) -> list:
+        """``(group, communicator)`` of every built communicator of a live group."""
+        with self._lock:
+            return [(g, c) for g, c in self._comms.items() if _alive(g)]
 
     def close(self, group: dist.ProcessGroup | None = None) -> None:
         """Close ``group``'s communicator (finishing its pending calls); others stay."""
@@ -121,5 +129,6 @@ def _build(group, config: CommConfig | None, tuned: bool) -> Communicator:
 _POOL = CommunicatorPool()
 get = _POOL.get
 peek = _POOL.peek
+items = _POOL.items
 close = _POOL.close
 close_all = _POOL.close_all

@@ -51,9 +51,12 @@ class VarlenConfig:
     backend: str = "auto"
     """Attention kernel: one of ``flash``, ``torch_varlen``, ``flex``, ``sdpa``, or ``auto``
     (the fastest that can run each call; a named one that cannot run raises)."""
-    logits: str = "packed"
-    """Layout of returned logits for a padded input: ``"packed"`` ``(1, total_tokens, vocab)``,
-    cheap, or ``"padded"`` ``(batch, seq, vocab)`` with zeros at padding, as the stock model."""
+    logits: str = "auto"
+    """Layout of returned logits for a padded input: ``"padded"`` ``(batch, seq, vocab)`` with
+    zeros at padding, as the stock model; ``"packed"`` ``(1, total_tokens, vocab)``, which
+    saves a copy of the logits; ``"auto"``: packed for a training step that computes its loss
+    (the loss is what the step uses), padded for every other call (evaluation,
+    ``compute_metrics``, generation, a call without labels), so that callers see the stock shape."""
     compile: bool = False
     """Compile each decoder layer around the attention (``torch.compile``, dynamic shapes):
     fused element-wise ops, equal to eager up to float rounding. See :mod:`.fuse`."""
@@ -61,14 +64,15 @@ class VarlenConfig:
     def __post_init__(self) -> None:
         if self.backend != "auto" and self.backend not in BACKENDS:
             raise ValueError(f"backend must be 'auto' or one of {BACKENDS}, got {self.backend!r}")
-        if self.logits not in ("packed", "padded"):
-            raise ValueError(f"logits must be 'packed' or 'padded', got {self.logits!r}")
+        if self.logits not in ("auto", "packed", "padded"):
+            raise ValueError(f"logits must be 'auto', 'packed' or 'padded', got {self.logits!r}")
 
 
 @dataclass(kw_only=True, eq=False)
 class _PatchState:
     config: VarlenConfig
-    original_forward: Any
+    original_forward: Any  # None when the top-level forward was wrapped by another library
+    original_backbone_forward: Any
     original_attn_implementation: str | None
     attn_name: str = ATTENTION_NAME
 
@@ -91,11 +95,6 @@ def _check_supported(model: torch.nn.Module) -> None:
             f"{type(model).__name__} does not have the Llama-family layout (model.model.{{embed_tokens, layers, "
             f"norm, rotary_emb}}, lm_head); missing: {missing or ['lm_head']}"
         )
-    if "forward" in vars(model):
-        raise RuntimeError(
-            "the model's forward is already wrapped (accelerate, DeepSpeed, another patch): apply the varlen "
-            "pass to the bare model first, then wrap it"
-        )
 
 
 def _hf_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None, **kwargs):
@@ -104,7 +103,7 @@ def _hf_attention(module, query, key, value, attention_mask, scaling=None, dropo
     if ctx is None:
         raise RuntimeError(
             "slipstream varlen attention was called without packed-sequence metadata; call the patched "
-            "model's top-level forward, or unpatch the model to use its inner modules directly"
+            "model or its decoder (model.model), or unpatch the model to use its layers directly"
         )
     if attention_mask is not None or not getattr(module, "is_causal", True):
         raise RuntimeError("slipstream varlen attention supports causal attention without an extra mask only")
@@ -117,7 +116,13 @@ def _hf_attention(module, query, key, value, attention_mask, scaling=None, dropo
 
 
 def apply(model: torch.nn.Module, config: VarlenConfig | None = None) -> torch.nn.Module:
-    """Patch ``model`` in place for padding-free training; returns it. Idempotent."""
+    """Patch ``model`` in place for padding-free training; returns it. Idempotent.
+
+    The decoder (``model.model``) is patched as well, so a caller that runs it directly (TRL's
+    fused LM head) gets the packed run, with hidden states back in its own layout. When the
+    top-level forward is already wrapped by another library (accelerate, TRL), the wrapper is
+    kept and only the decoder is patched: the wrapper's LM head and loss then run on the padded
+    hidden states, with the same results."""
     config = config or VarlenConfig()
     if is_patched(model):
         if vars(model)[_MARKER].config != config:
@@ -134,15 +139,20 @@ def apply(model: torch.nn.Module, config: VarlenConfig | None = None) -> torch.n
         attn_name = ATTENTION_NAME_COMPILED
         if attn_name not in AttentionInterface._global_mapping:
             AttentionInterface.register(attn_name, torch.compiler.disable(_hf_attention))
+    wrapped = "forward" in vars(model)  # by accelerate, TRL's fused LM head, another patch: kept
     state = _PatchState(
         config=config,
-        original_forward=model.forward,
+        original_forward=None if wrapped else model.forward,
+        original_backbone_forward=model.model.forward,
         original_attn_implementation=model.config._attn_implementation,
         attn_name=attn_name,
     )
     model.config._attn_implementation = attn_name
     setattr(model, _MARKER, state)
-    setattr(model, "forward", types.MethodType(_varlen_forward, model))
+    setattr(model.model, _MARKER, state)
+    setattr(model.model, "forward", types.MethodType(_varlen_backbone_forward, model.model))
+    if not wrapped:
+        setattr(model, "forward", types.MethodType(_varlen_forward, model))
     return model
 
 
@@ -151,7 +161,10 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
     state = vars(model).pop(_MARKER, None)
     if state is None:
         return model
-    vars(model).pop("forward", None)
+    if state.original_forward is not None:
+        vars(model).pop("forward", None)
+    vars(model.model).pop("forward", None)
+    vars(model.model).pop(_MARKER, None)
     unfuse_layers(model.model.layers)
     model.config._attn_implementation = state.original_attn_implementation
     return model
@@ -177,6 +190,11 @@ def _original_attention(model):
         yield
     finally:
         model.config._attn_implementation = state.attn_name
+
+
+def _wants_original(kwargs, logits_to_keep=0) -> bool:
+    """Generation-style calls (a KV cache, extra outputs) run the original forward."""
+    return bool(logits_to_keep) or any(kwargs.get(k) not in (None, False) for k in _GENERATION_ARGS)
 
 
 def _resolve_packed(input_ids, inputs_embeds, attention_mask, position_ids, kwargs):
@@ -213,7 +231,7 @@ def _varlen_forward(
 ):
     """The patched ``forward``; arguments as the model's own. Logits: see ``VarlenConfig.logits``."""
     state: _PatchState = vars(self)[_MARKER]
-    if logits_to_keep or any(kwargs.get(k) not in (None, False) for k in _GENERATION_ARGS):
+    if _wants_original(kwargs, logits_to_keep):
         with _original_attention(self):
             return state.original_forward(
                 input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
@@ -232,12 +250,28 @@ def _varlen_forward(
             None if t is None else packed.unpad(t)
             for t in (input_ids, inputs_embeds, position_ids, labels, shift_labels)
         )
-    inner = self.model
+    hidden = _packed_hidden(self.model, state, packed, input_ids, inputs_embeds, position_ids, kwargs)
+    logits = self.lm_head(hidden)
+    loss = None
+    if labels is not None:  # as the stock model: shift_labels alone computes no loss
+        loss = _packed_loss(self, logits, packed, labels, shift_labels, num_items_in_batch)
+    if padded and _pad_logits(state.config.logits, self.training, loss is not None):
+        logits = packed.pad(logits)
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    out = CausalLMOutputWithPast(loss=loss, logits=logits)
+    use_dict = getattr(self.config, "return_dict", True) if return_dict is None else return_dict
+    return out if use_dict else out.to_tuple()
+
+
+def _packed_hidden(inner, state: _PatchState, packed: PackedBatch, input_ids, inputs_embeds, position_ids,
+                   kwargs) -> torch.Tensor:
+    """The decoder's final hidden states ``(1, total_tokens, hidden)`` of a packed row."""
     hidden = inner.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
     positions = packed.position_ids if position_ids is None else position_ids
     rotary = inner.rotary_emb(hidden, positions)
     ctx = VarlenContext(packed=packed, backend=state.config.backend)
-    layers = inner.layers[: self.config.num_hidden_layers]
+    layers = inner.layers[: inner.config.num_hidden_layers]
     for layer in layers:
         hidden = layer(
             hidden, attention_mask=None, position_embeddings=rotary, position_ids=positions,
@@ -248,17 +282,42 @@ def _varlen_forward(
             f"only {ctx.calls} of {len(layers)} attention layers went through the varlen attention; the "
             "others would attend across sequence boundaries"
         )
-    logits = self.lm_head(inner.norm(hidden))
-    loss = None
-    if labels is not None:  # as the stock model: shift_labels alone computes no loss
-        loss = _packed_loss(self, logits, packed, labels, shift_labels, num_items_in_batch)
-    if padded and state.config.logits == "padded":
-        logits = packed.pad(logits)
-    from transformers.modeling_outputs import CausalLMOutputWithPast
+    return inner.norm(hidden)
 
-    out = CausalLMOutputWithPast(loss=loss, logits=logits)
-    use_dict = getattr(self.config, "return_dict", True) if return_dict is None else return_dict
-    return out if use_dict else out.to_tuple()
+
+def _varlen_backbone_forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,
+                             inputs_embeds=None, use_cache=None, **kwargs):
+    """The patched decoder (``model.model``) ``forward``, for callers that run the decoder
+    themselves (TRL's fused LM head, a wrapped top-level forward): the same packed run,
+    with the hidden states handed back in the caller's layout (padded input: padded)."""
+    from transformers.modeling_outputs import BaseModelOutputWithPast
+
+    state: _PatchState = vars(self)[_MARKER]
+    kwargs.update(past_key_values=past_key_values, use_cache=use_cache)
+    if _wants_original(kwargs):
+        self.config._attn_implementation = state.original_attn_implementation
+        try:
+            return state.original_backbone_forward(
+                input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                inputs_embeds=inputs_embeds, **kwargs)  # fmt: skip
+        finally:
+            self.config._attn_implementation = state.attn_name
+    for k in (*_GENERATION_ARGS, "cache_position", "return_dict"):
+        kwargs.pop(k, None)
+    packed, padded = _resolve_packed(input_ids, inputs_embeds, attention_mask, position_ids, kwargs)
+    if padded:
+        if position_ids is not None:
+            position_ids = position_ids.expand(packed.padded_shape)
+        input_ids, inputs_embeds, position_ids = (
+            None if t is None else packed.unpad(t) for t in (input_ids, inputs_embeds, position_ids))
+    hidden = _packed_hidden(self, state, packed, input_ids, inputs_embeds, position_ids, kwargs)
+    return BaseModelOutputWithPast(last_hidden_state=packed.pad(hidden) if padded else hidden)
+
+
+def _pad_logits(layout: str, training: bool, has_loss: bool) -> bool:
+    if layout == "auto":
+        return not (training and has_loss and torch.is_grad_enabled())
+    return layout == "padded"
 
 
 def _packed_loss(model, logits, packed, labels, shift_labels, num_items_in_batch):

@@ -14,6 +14,7 @@ import json
 import logging
 import os
 
+from ...report import announce, deferred, note_stack, warn_once
 from .._adapter import apply_job_effects, read_config, undo_job_effects
 from .._patch import patch, unpatch
 from .comm import install_comm
@@ -62,11 +63,18 @@ def initialize(*args, **kwargs):
 
 
 def _initialize(original, args, kwargs):
+    with deferred():
+        return _set_up(original, args, kwargs)
+
+
+def _set_up(original, args, kwargs):
     bound = inspect.signature(original).bind_partial(*args, **kwargs)
     params = bound.arguments
     ds_config = load_ds_config(params.get("config"), params.get("args"), params.get("config_params"))
-    settings = read_config(ds_config.get("slipstream"))
+    section = ds_config.get("slipstream")
+    settings = read_config(section)
     if not settings.enabled:
+        _left_stock(section)
         return original(*bound.args, **bound.kwargs)
     _init_distributed(params)
     backend = install_comm(settings.comm)
@@ -84,9 +92,27 @@ def _initialize(original, args, kwargs):
         params["args"].deepspeed_config = None
     params["config"] = ds_config
     result = original(*bound.args, **bound.kwargs)
-    if patch_zero_optimizer(result[0].optimizer):
+    owners = patch_zero_optimizer(result[0].optimizer)
+    if owners:
         log.info("slipstream: ZeRO gradient buckets reduced to their owners (reduce-scatter)")
+    note_stack("deepspeed", engaged=True, zero_stage=ds_config.get("zero_optimization", {}).get("stage", 0),
+               collectives="deepspeed.comm through the core", gradient_buckets_to_owners=bool(owners),
+               varlen=settings.varlen is not None)
+    backend.communicator(None)  # built now (every rank is here) so that the line names its paths
+    announce(by_adapter=True)
     return result
+
+
+def _left_stock(section) -> None:
+    from ...switch import is_enabled
+
+    why = ("no \"slipstream\" section in the DeepSpeed config" if section is None
+           else "the section says \"enabled\": false")
+    note_stack("deepspeed", engaged=False, why=why)
+    if is_enabled() and section is None:
+        warn_once("slipstream is on, but this DeepSpeed config has no \"slipstream\" section: DeepSpeed "
+                  "runs stock. Add \"slipstream\": {\"enabled\": true} to the config to route ZeRO's "
+                  "collectives through slipstream.")
 
 
 def _init_distributed(params) -> None:

@@ -1,0 +1,99 @@
+"""Slipstream's start-up hook, run by ``slipstream-autoload.pth`` in every interpreter of the
+environment it is installed in. It imports nothing but ``os`` and ``sys`` and does one thing:
+when a job asks for slipstream, it puts a finder on ``sys.meta_path`` that acts once a stack
+has been imported.
+
+    SLIPSTREAM_AUTOLOAD=0   the hook does nothing at all
+    SLIPSTREAM=1            once torch is imported: ``slipstream.enable()`` (the slipstream
+                            backend becomes torch's default for CPU groups, and every stack
+                            adapter installs when its stack is imported)
+    (neither)               once DeepSpeed is imported: its adapter, so that a DeepSpeed
+                            config with a ``"slipstream"`` section turns slipstream on, and
+                            one without leaves DeepSpeed exactly stock
+
+Nothing else is imported until then, and a job that imports neither pays one ``find_spec``
+call per import for a finder that answers None (measured in tests/test_autoload.py).
+Errors in the hook never stop the interpreter: they are reported once on stderr.
+"""
+
+import os
+import sys
+
+
+
+class SlipstreamAutoload:
+    """Finder that wraps the loader of ``torch`` / ``deepspeed`` to act after it has run."""
+
+    def __init__(self, enable_all: bool) -> None:
+        self.enable_all = enable_all
+        self.pending = {"torch"} if enable_all else {"deepspeed"}
+        self._searching = False
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname not in self.pending or self._searching:
+            return None
+        import importlib.util
+
+        self._searching = True
+        try:
+            spec = importlib.util.find_spec(fullname)  # the finders after this one
+        finally:
+            self._searching = False
+        if spec is None or spec.loader is None:
+            return None
+        spec.loader = _Then(spec.loader, self, fullname)
+        return spec
+
+    def act(self, name: str) -> None:
+        self.pending.discard(name)
+        if not self.pending and self in sys.meta_path:
+            sys.meta_path.remove(self)
+        try:
+            if name == "torch":
+                import slipstream
+
+                slipstream.enable()
+                slipstream.switch.note_source("SLIPSTREAM=1")
+            else:
+                import importlib
+
+                importlib.import_module("slipstream.plugins.deepspeed").install()
+        except Exception as e:  # noqa: BLE001 - never take the user's interpreter down
+            print(f"slipstream: the start-up hook could not act on {name}: {type(e).__name__}: {e} "
+                  "(SLIPSTREAM_AUTOLOAD=0 turns the hook off)", file=sys.stderr)
+
+
+class _Then:
+    def __init__(self, loader, finder: SlipstreamAutoload, name: str) -> None:
+        self._loader, self._finder, self._name = loader, finder, name
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        self._loader.exec_module(module)
+        self._finder.act(self._name)
+
+    def __getattr__(self, name):  # the wrapped loader's other methods (get_code, is_package...)
+        return getattr(self._loader, name)
+
+
+def install() -> None:
+    """What the ``.pth`` line runs. Idempotent."""
+    if os.environ.get("SLIPSTREAM_AUTOLOAD", "1").strip().lower() in ("0", "false", "no", "off"):
+        return
+    if any(type(f).__name__ == "SlipstreamAutoload" for f in sys.meta_path):
+        return
+    enable_all = os.environ.get("SLIPSTREAM", "").strip().lower() in ("1", "true", "yes", "on")
+    finder = SlipstreamAutoload(enable_all)
+    for name in tuple(finder.pending):
+        if name in sys.modules:  # already imported (the hook run late, by hand)
+            finder.act(name)
+    if finder.pending:
+        sys.meta_path.insert(0, finder)
+
+
+try:
+    install()
+except Exception as _e:  # noqa: BLE001
+    print(f"slipstream: start-up hook failed: {_e} (SLIPSTREAM_AUTOLOAD=0 turns it off)", file=sys.stderr)

@@ -1,0 +1,171 @@
+"""Where users already train, with no code change: the README's stack snippets run as written
+(the user's DeepSpeed config plus the "slipstream" section, their unchanged scripts under
+``examples/``), ``SLIPSTREAM=1`` for a DDP script, ``SLIPSTREAM_AUTOLOAD=0`` to keep stock,
+and the start-up hook that makes it possible."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+import slipstream  # noqa: F401 - registers the backend (the ranks of run_ranks import this module)
+from _dist import free_port, run_ranks
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+README = os.path.join(ROOT, "README.md")
+
+
+def _hook_installed() -> bool:
+    out = subprocess.run([sys.executable, "-c", "import sys; print('slipstream_autoload' in sys.modules)"],
+                         capture_output=True, text=True, timeout=60, env=_env())
+    return out.stdout.strip() == "True"
+
+
+def _env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLIPSTREAM")}
+    env.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", **extra)
+    return env
+
+
+needs_hook = pytest.mark.skipif(not _hook_installed(), reason="slipstream's start-up hook is not installed "
+                                "in this environment (pip install . or -e . installs it)")
+
+
+def readme_configs() -> dict[str, dict]:
+    """The README's JSON blocks marked ``<!-- run: examples/SCRIPT.py -->``, by script."""
+    with open(README) as f:
+        text = f.read()
+    found = re.findall(r"<!-- run: (\S+) -->\s*```json\n(.*?)```", text, re.S)
+    return {script: json.loads(block) for script, block in found}
+
+
+def _torchrun(tmp_path, script: str, config: dict, name: str, **env) -> subprocess.CompletedProcess:
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(config))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+           str(free_port()), os.path.join(ROOT, script), str(path)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path, env=_env(**env))
+    assert out.returncode == 0, f"{script} with {name} failed:\n{out.stdout[-3000:]}\n{out.stderr[-5000:]}"
+    return out
+
+
+def _losses(out: subprocess.CompletedProcess) -> list[float]:
+    found = re.findall(r"^losses (\[.*\])$", out.stdout, re.M)
+    assert found, out.stdout[-2000:]
+    return json.loads(found[-1])
+
+
+def _start_line(out: subprocess.CompletedProcess) -> str | None:
+    lines = [ln for ln in out.stderr.splitlines() if ln.startswith("[slipstream] ")]
+    assert len(lines) <= 1, f"more than one start line: {lines}"
+    return lines[0] if lines else None
+
+
+def test_the_readme_marks_a_config_for_each_stack():
+    assert set(readme_configs()) == {"examples/deepspeed_train.py", "examples/trainer.py", "examples/trl_sft.py"}
+
+
+@needs_hook
+@pytest.mark.parametrize("script", ["examples/deepspeed_train.py", "examples/trainer.py", "examples/trl_sft.py"])
+def test_the_config_section_alone_turns_slipstream_on_with_stock_losses(tmp_path, script):
+    if script.endswith("trl_sft.py"):
+        pytest.importorskip("trl")
+    pytest.importorskip("deepspeed")
+    config = readme_configs()[script]
+    assert config["slipstream"]["enabled"] is True
+    stock = {k: v for k, v in config.items() if k != "slipstream"}
+    ours = _torchrun(tmp_path, script, config, "ours")
+    ref = _torchrun(tmp_path, script, stock, "stock")
+    line = _start_line(ours)
+    assert line and "deepspeed: engaged" in line and "shm" in line, ours.stderr[-3000:]
+    if config["slipstream"].get("varlen", {}).get("enabled"):
+        assert "varlen" in line
+    assert _start_line(ref) is None, "a config without the section must leave DeepSpeed stock, silently"
+    # float32, same data and seed: the collectives sum in another order, so equal to rounding
+    assert _losses(ours) == pytest.approx(_losses(ref), rel=1e-5)
+
+
+DDP = r"""
+import torch, torch.distributed as dist
+dist.init_process_group()  # no backend named: torch's default for CPU
+torch.manual_seed(0)
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(64, 64))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+g = torch.Generator().manual_seed(dist.get_rank())
+for _ in range(3):
+    loss = model(torch.randn(8, 64, generator=g)).pow(2).mean()
+    opt.zero_grad(); loss.backward(); opt.step()
+w = model.module.weight.detach().clone()
+dist.all_reduce(w)  # every rank holds the same weights
+if dist.get_rank() == 0:
+    print("backend", dist.get_backend_config(), "weights", round(float(w.sum()), 4), flush=True)
+dist.destroy_process_group()
+"""
+
+
+@needs_hook
+def test_slipstream_1_turns_a_ddp_script_on_and_autoload_0_keeps_it_stock(tmp_path):
+    script = tmp_path / "ddp.py"
+    script.write_text(DDP)
+
+    def run(**env):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+               str(free_port()), str(script)]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path, env=_env(**env))
+        assert out.returncode == 0, out.stderr[-3000:]
+        return re.findall(r"^backend (\S+) weights (\S+)$", out.stdout, re.M), out
+
+    on, out_on = run(SLIPSTREAM="1")
+    off, out_off = run(SLIPSTREAM="1", SLIPSTREAM_AUTOLOAD="0")
+    plain, _ = run()
+    assert {b for b, _ in on} == {"cpu:slipstream"} and _start_line(out_on)
+    assert {b for b, _ in off} == {"cpu:gloo"} and _start_line(out_off) is None
+    assert {b for b, _ in plain} == {"cpu:gloo"}
+    assert {w for _, w in on} == {w for _, w in off}  # the same training
+
+
+@needs_hook
+def test_the_start_up_hook_imports_no_torch_and_says_what_it_costs(tmp_path):
+    probe = "import sys; print('torch' in sys.modules, 'slipstream' in sys.modules, 'slipstream_autoload' in sys.modules)"
+    for env in ({}, {"SLIPSTREAM": "1"}):
+        out = subprocess.run([sys.executable, "-X", "importtime", "-c", probe], capture_output=True, text=True,
+                             timeout=60, env=_env(**env))
+        assert out.stdout.split() == ["False", "False", "True"], (env, out.stdout, out.stderr[-2000:])
+        own = [int(m) for m in re.findall(r"import time:\s+\d+ \|\s+(\d+) \|\s+slipstream_autoload$", out.stderr, re.M)]
+        assert own, out.stderr[-2000:]
+        print(f"start-up hook with {env or 'no variable'}: {own[0]} us cumulative import")  # reported, not asserted
+    off = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60,
+                         env=_env(SLIPSTREAM_AUTOLOAD="0"))
+    assert off.stdout.split()[:2] == ["False", "False"]
+
+
+def _status_after_calls(rank, world):
+    import torch
+    import torch.distributed as dist
+
+    import slipstream
+    from slipstream.core_comm import counters
+    from slipstream.report import line
+
+    counters.reset()
+    x = torch.ones(1 << 16)
+    dist.all_reduce(x)
+    out = torch.empty(world << 16)
+    dist.all_gather_into_tensor(out, x)
+    dist.broadcast(x, 0)
+    return slipstream.status(), line()
+
+
+def test_status_names_the_groups_paths_and_the_routed_collectives():
+    for st, text in run_ranks(_status_after_calls, 2, backend="slipstream", rank_env=[{"SLIPSTREAM_NODE": "0"}] * 2):
+        assert st["world_backend"].startswith("cpu:slipstream")
+        (group,) = st["groups"]
+        assert group["ranks"] == [0, 1] and group["nodes"] == 1 and "shm" in group["paths"]
+        assert set(st["collectives"]["all_reduce"]) == {"shm"} and "all_gather" in st["collectives"]
+        assert "broadcast" not in st["collectives"]  # stock calls that never reach the core are not counted
+        assert "group of 2 ranks on 1 node(s): shm" in text and "all_reduce:shm" in text
