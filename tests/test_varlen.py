@@ -277,3 +277,18 @@ def test_shift_labels_in_padded_layout_are_honoured():
     a = ours(input_ids=ids, attention_mask=mask, labels=labels, shift_labels=shift)
     b = ref(input_ids=ids, attention_mask=mask, labels=labels, shift_labels=shift)
     torch.testing.assert_close(a.loss, b.loss, rtol=1e-5, atol=1e-6)
+
+
+def test_transformers_flattening_collator_batches_are_packed_sequences():
+    """``DataCollatorWithFlattening`` (one row, ``position_ids`` restarting at 0 per sequence):
+    the loss equals the padded model's on the same sequences."""
+    transformers = pytest.importorskip("transformers")
+    ref = _model()
+    ours = apply_varlen(copy.deepcopy(ref))
+    ids, mask, labels = _padded([7, 19, 4])
+    features = [{"input_ids": ids[i][mask[i].bool()].tolist()} for i in range(len(ids))]
+    flat = transformers.DataCollatorWithFlattening(return_tensors="pt")(features)
+    assert flat["input_ids"].shape[0] == 1 and "attention_mask" not in flat
+    a = ours(**flat)
+    b = ref(input_ids=ids, attention_mask=mask, labels=labels)
+    torch.testing.assert_close(a.loss, b.loss, rtol=1e-5, atol=1e-6)
