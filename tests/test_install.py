@@ -60,6 +60,11 @@ def test_wheel_in_fresh_venv_finetunes_from_an_empty_directory(tmp_path):
     where = _run([python, "-c", "import slipstream; print(slipstream.__file__)"], cwd=workdir, env=env,
                  timeout=120).stdout.strip()
     assert Path(where).resolve().is_relative_to(venv.resolve()), where
+    # the start-up hook came with the wheel, and runs without importing torch
+    hook = _run([python, "-c", "import sys; m = sys.modules.get('slipstream_autoload'); "
+                 "print(m.__file__ if m else None, 'torch' in sys.modules)"], cwd=workdir, env=env, timeout=60)
+    hook_file, torch_loaded = hook.stdout.split()
+    assert Path(hook_file).resolve().is_relative_to(venv.resolve()) and torch_loaded == "False", hook.stdout
 
     out = workdir / "run"
     _run([venv / "bin" / "slipstream", "finetune", "--steps", "2", "--samples", "32", "--max-length",

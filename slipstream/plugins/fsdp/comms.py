@@ -1,0 +1,144 @@
+"""FSDP2's parameter all-gathers and gradient reduce-scatters through the core, on the group
+the user's model already runs on (gloo, NCCL, or slipstream's own backend).
+
+    from torch.distributed.fsdp import fully_shard
+    fully_shard(layer) ...; fully_shard(model)
+    slipstream.fsdp.apply(model)      # every FSDP module of ``model``; idempotent
+    slipstream.fsdp.remove(model)     # the comms FSDP had before, exactly
+
+The extension point is torch's own: ``FSDPModule.set_custom_all_gather`` /
+``set_custom_reduce_scatter`` (torch >= 2.8). Each call goes to the communicator of the group
+FSDP passes (``core_comm.pool``, built on the first call: every rank of the group is in it),
+which runs it on shared memory (one node) or hierarchically (several), or sends it to the
+group's own collective when the routing rule refuses it (an op or dtype it does not take), so
+numbers are never the core's guess. Asynchronous all-gathers come back as a
+``torch.distributed.Work`` (FSDP's prefetch waits on it). A module whose FSDP state has
+several parameter groups (a per-parameter mesh) is left on the stock comms, with one warning
+naming it.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+import torch.distributed as dist
+
+from ...core_comm import pool
+from ...core_comm.config import CommConfig
+from ...report import warn_once
+
+__all__ = ["apply", "remove", "SlipstreamAllGather", "SlipstreamReduceScatter", "is_applied"]
+
+log = logging.getLogger("slipstream.fsdp")
+
+_ORIGINALS = "_slipstream_fsdp_comms"  # on each switched module: its param groups' comms before
+
+
+def _api():
+    try:
+        from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+    except ImportError as e:  # pragma: no cover - torch < 2.8
+        raise ImportError("slipstream's FSDP2 adapter needs torch >= 2.8 (FSDPModule.set_custom_all_gather)") from e
+    return FSDPModule, AllGather, ReduceScatter
+
+
+def _work(work, outputs: list):
+    """The core's async handle as a ``torch.distributed.Work``, as FSDP waits on."""
+    from ...core_comm.backend import _FutureWork
+    from ...core_comm.communicator import as_torch_future
+
+    return _FutureWork(as_torch_future(work, outputs))
+
+
+@functools.cache
+def _classes():
+    _, AllGather, ReduceScatter = _api()
+
+    class SlipstreamAllGather(AllGather):
+        """FSDP2's parameter all-gather through the core's communicator of FSDP's group."""
+
+        def __init__(self, config: CommConfig | None = None) -> None:
+            self.config = config
+
+        def allocate(self, size, *, dtype, device):
+            return torch.empty(*size, dtype=dtype, device=device)
+
+        def __call__(self, output_tensor, input_tensor, group, async_op=False):
+            comm = pool.get(group, config=self.config)
+            work = comm.all_gather(output_tensor, input_tensor, async_op=async_op)
+            return _work(work, [output_tensor]) if async_op else None
+
+    class SlipstreamReduceScatter(ReduceScatter):
+        """FSDP2's gradient reduce-scatter (AVG, SUM, PREMUL_SUM) through the core."""
+
+        def __init__(self, config: CommConfig | None = None) -> None:
+            self.config = config
+
+        def allocate(self, size, *, dtype, device):
+            return torch.empty(*size, dtype=dtype, device=device)
+
+        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+            comm = pool.get(group, config=self.config)
+            work = comm.reduce_scatter(output_tensor, input_tensor, op, async_op=async_op)
+            return _work(work, [output_tensor]) if async_op else None
+
+    return SlipstreamAllGather, SlipstreamReduceScatter
+
+
+def __getattr__(name: str):
+    if name in ("SlipstreamAllGather", "SlipstreamReduceScatter"):
+        ag, rs = _classes()
+        globals().update(SlipstreamAllGather=ag, SlipstreamReduceScatter=rs)
+        return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def apply(model: torch.nn.Module, config: CommConfig | None = None) -> list[str]:
+    """Route the collectives of every FSDP2 module in ``model`` (``fully_shard`` applied)
+    through the core. Returns the names of the modules switched (already switched ones
+    included). Idempotent; ``remove`` undoes it. ``config``: the communicators' settings
+    (None: ``SLIPSTREAM_*`` / defaults)."""
+    FSDPModule, _, _ = _api()
+    if config is not None and not isinstance(config, CommConfig):
+        raise TypeError(f"config must be a CommConfig, got {type(config).__name__}")
+    gather_cls, scatter_cls = __getattr__("SlipstreamAllGather"), __getattr__("SlipstreamReduceScatter")
+    switched = []
+    found = False
+    for name, module in model.named_modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        found = True
+        label = name or type(module).__name__
+        if _ORIGINALS in vars(module):
+            switched.append(label)
+            continue
+        groups = module._get_fsdp_state()._fsdp_param_groups
+        if len(groups) > 1:
+            warn_once(f"FSDP module {label!r} has {len(groups)} parameter groups (a per-parameter mesh): "
+                      "torch's custom-comm hook refuses it, so its collectives stay stock")
+            continue
+        before = [(g._all_gather_comm, g._reduce_scatter_comm) for g in groups]
+        module.set_custom_all_gather(gather_cls(config))
+        module.set_custom_reduce_scatter(scatter_cls(config))
+        vars(module)[_ORIGINALS] = before
+        switched.append(label)
+    if not found:
+        raise ValueError(f"{type(model).__name__} has no FSDP2 module: call fully_shard on it (and its layers) first")
+    return switched
+
+
+def remove(model: torch.nn.Module) -> None:
+    """Put back the comms each switched module had before ``apply``; a no-op elsewhere."""
+    for module in model.modules():
+        before = vars(module).pop(_ORIGINALS, None)
+        if before is None:
+            continue
+        for group, (gather, scatter) in zip(module._get_fsdp_state()._fsdp_param_groups, before):
+            group._all_gather_comm, group._reduce_scatter_comm = gather, scatter
+
+
+def is_applied(model: torch.nn.Module) -> bool:
+    return any(_ORIGINALS in vars(m) for m in model.modules())

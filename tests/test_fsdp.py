@@ -1,0 +1,128 @@
+"""The FSDP2 adapter against stock FSDP2 on the same gloo group: same losses and parameters,
+the fast path taken, and ``remove`` restoring the stock comms."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from _adam import assert_close_through_adam
+from _dist import run_ranks
+
+pytest.importorskip("torch.distributed.fsdp")
+
+
+def _bytes(obj) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _load(results):
+    return [torch.load(io.BytesIO(r)) for r in results]
+
+
+class Tiny(torch.nn.Module):
+    def __init__(self, tied: bool) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(50, 32)
+        self.body = torch.nn.Sequential(torch.nn.Linear(32, 96), torch.nn.GELU(), torch.nn.Linear(96, 63),
+                                        torch.nn.GELU(), torch.nn.Linear(63, 32))
+        self.head = torch.nn.Linear(32, 50, bias=False)
+        if tied:
+            self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        return self.head(self.body(self.emb(ids))).float()
+
+
+def _model(dtype=torch.float32, tied=False):
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    torch.manual_seed(0)
+    model = Tiny(tied)
+    mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    for layer in (model.body[0], model.body[2], model.body[4]):  # 63: uneven shards
+        fully_shard(layer, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    return model
+
+
+def _forward(model, ids):
+    return model(ids)
+
+
+def _train(rank, ours, *, steps=3, accum=1, dtype=torch.float32, tied=False):
+    from slipstream import fsdp
+    from slipstream.core_comm import counters
+
+    model = _model(dtype, tied)
+    if ours:
+        fsdp.apply(model)
+        fsdp.apply(model)  # idempotent
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(rank)
+    counters.reset()
+    losses, grads = [], []
+    for _ in range(steps):
+        for micro in range(accum):
+            model.set_requires_gradient_sync(micro == accum - 1)  # accumulate unsharded grads, sync at the last
+            ids = torch.randint(0, 50, (6, 5), generator=gen)
+            loss = torch.nn.functional.cross_entropy(_forward(model, ids).flatten(0, 1), ids.roll(1, 1).flatten())
+            loss.backward()
+            losses.append(loss.item())
+        grads.append([p.grad.full_tensor().float() for p in model.parameters()])
+        opt.step()
+        opt.zero_grad()
+    counts = counters.snapshot()
+    weights = [p.full_tensor().detach().float() for p in model.parameters()]
+    if ours:
+        fsdp.remove(model)
+        assert not fsdp.is_applied(model)
+        counters.reset()
+        loss = torch.nn.functional.cross_entropy(_forward(model, ids).flatten(0, 1), ids.roll(1, 1).flatten())
+        loss.backward()
+        assert "reduce_scatter" not in counters.snapshot(), "removed: FSDP's own comms again"
+    return {"losses": losses, "weights": weights, "grads": grads, "counts": counts}
+
+
+def _both(rank, world, kwargs):
+    return _bytes({"stock": _train(rank, False, **kwargs), "ours": _train(rank, True, **kwargs)})
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"accum": 2}, {"dtype": torch.bfloat16}, {"tied": True}],
+                         ids=["fp32", "accumulation", "bf16-params-fp32-reduce", "tied-embeddings"])
+def test_fsdp2_through_the_core_matches_stock_fsdp2(kwargs):
+    for r in _load(run_ranks(_both, 2, kwargs, rank_env=[{"SLIPSTREAM_NODE": "0"}] * 2, timeout=240)):
+        s, o = r["stock"], r["ours"]
+        torch.testing.assert_close(o["losses"], s["losses"], rtol=1e-5, atol=0)
+        assert_close_through_adam(o["weights"], s["weights"], o["grads"], s["grads"], lr=1e-3)
+        counts = o["counts"]
+        assert counts["reduce_scatter"].keys() <= {"shm", "cma"}, counts
+        assert counts["all_gather"].keys() <= {"shm", "cma"}, counts
+        assert counts["reduce_scatter"][next(iter(counts["reduce_scatter"]))]["calls"] >= 3
+
+
+def test_fsdp2_on_two_emulated_nodes_goes_hierarchical_and_matches_stock():
+    nodes = [{"SLIPSTREAM_NODE": str(n)} for n in (0, 0, 1, 1)]
+    for r in _load(run_ranks(_both, 4, {"steps": 2}, rank_env=nodes, timeout=300)):
+        s, o = r["stock"], r["ours"]
+        torch.testing.assert_close(o["losses"], s["losses"], rtol=1e-5, atol=0)
+        assert_close_through_adam(o["weights"], s["weights"], o["grads"], s["grads"], lr=1e-3)
+        assert set(o["counts"]["reduce_scatter"]) == {"hierarchical"}, o["counts"]
+        assert set(o["counts"]["all_gather"]) == {"hierarchical"}, o["counts"]
+
+
+def _module_without_fsdp(rank, world):
+    from slipstream import fsdp
+
+    with pytest.raises(ValueError, match="no FSDP2 module"):
+        fsdp.apply(torch.nn.Linear(2, 2))
+    return True
+
+
+def test_apply_to_a_model_without_fully_shard_says_so():
+    assert run_ranks(_module_without_fsdp, 2, timeout=60) == [True, True]
