@@ -85,7 +85,8 @@ def _watch_init() -> None:
     def init_process_group(*args, **kwargs):
         result = original(*args, **kwargs)
         backend = dist.get_backend_config()  # "cpu:gloo"; get_backend() says "undefined" for ours
-        if registry.BACKEND not in backend and "deepspeed" not in sys.modules:
+        adapters = ("deepspeed", "accelerate")  # they route the groups they use themselves
+        if registry.BACKEND not in backend and not any(m in sys.modules for m in adapters):
             warn_once(f"slipstream is on, but init_process_group was given backend {backend!r}: the "
                       "default group's collectives stay stock. Leave the backend out (or name "
                       f"{registry.BACKEND!r}) to route them through slipstream.")

@@ -126,3 +126,52 @@ def _module_without_fsdp(rank, world):
 
 def test_apply_to_a_model_without_fully_shard_says_so():
     assert run_ranks(_module_without_fsdp, 2, timeout=60) == [True, True]
+
+
+def test_accelerate_with_an_fsdp_plugin_runs_fsdp2_through_the_core_with_ddps_losses(tmp_path):
+    """On CPU stock accelerate runs DDP although FSDP is configured; with slipstream it runs
+    FSDP2 (as configured) through the core. The numbers are DDP's: same losses, same weights."""
+    import json
+    import os
+    import re
+    import subprocess
+    import sys
+
+    from _dist import free_port
+
+    pytest.importorskip("accelerate")
+    script = os.path.join(os.path.dirname(__file__), "_accelerate_fsdp.py")
+
+    def run(ours: bool) -> dict:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SLIPSTREAM")}
+        env.update(OURS=str(int(ours)), OMP_NUM_THREADS="1")
+        out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                              "--master-port", str(free_port()), script],
+                             capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+        assert out.returncode == 0, out.stderr[-4000:]
+        fields = dict(re.findall(r"^(type|losses|state|status) (.*)$", out.stdout, re.M))
+        return {"out": out, **fields}
+
+    stock, ours = run(False), run(True)
+    assert stock["type"].startswith("DistributedDataParallel")
+    assert ours["type"].startswith("FSDP") and "FSDP" in ours["type"].split()[1]
+    assert json.loads(ours["losses"]) == pytest.approx(json.loads(stock["losses"]), rel=1e-6)
+    assert float(ours["state"].rsplit(" ", 1)[1]) == pytest.approx(float(stock["state"].rsplit(" ", 1)[1]), rel=1e-5)
+    assert "'all_gather': {'shm'" in ours["status"] and "'reduce_scatter': {'shm'" in ours["status"]
+    assert "runs FSDP (version 2) as configured" in ours["out"].stderr
+
+
+def test_the_accelerate_patches_install_and_uninstall_exactly():
+    pytest.importorskip("accelerate")
+    import accelerate.accelerator as acc
+    import accelerate.state as state
+
+    from slipstream.plugins.fsdp import accelerate as adapter
+
+    before = (acc.fsdp2_prepare_model, state.AcceleratorState.__dict__["__init__"])
+    adapter.install()
+    adapter.install()  # idempotent
+    assert acc.fsdp2_prepare_model.__wrapped__ is before[0]
+    assert state.AcceleratorState.__dict__["__init__"].__wrapped__ is before[1]
+    adapter.uninstall()
+    assert (acc.fsdp2_prepare_model, state.AcceleratorState.__dict__["__init__"]) == before

@@ -1,0 +1,99 @@
+"""accelerate + FSDP2 through the core, with the script and the accelerate YAML users have.
+
+Installed when accelerate is imported after ``slipstream.enable()`` (or with ``SLIPSTREAM=1``
+in the environment): every model accelerate prepares with FSDP2 gets
+``slipstream.fsdp.apply``. Two reversible patches of accelerate:
+
+- ``accelerate.accelerator.fsdp2_prepare_model``: after accelerate's own ``fully_shard``
+  wrapping, the model's collectives go through the core;
+- ``AcceleratorState.__init__``: on CPU accelerate runs DDP even when FSDP is configured (its
+  FSDP branch lists only accelerator devices); with slipstream on, a job that configured FSDP
+  (an FSDP plugin, or ``ACCELERATE_USE_FSDP=true`` from ``accelerate launch`` with an FSDP
+  YAML) gets FSDP on CPU, as configured, said once in the log.
+
+``slipstream.accelerate.Accelerator`` is the explicit form: ``accelerate.Accelerator`` with
+these patches installed first.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+
+from .._patch import patch, unpatch
+from ...report import note_stack, warn_once
+
+__all__ = ["install", "uninstall", "Accelerator"]
+
+log = logging.getLogger("slipstream.fsdp")
+_OWNER = "accelerate"
+
+
+def install() -> None:
+    """Idempotent; ``uninstall`` undoes it exactly."""
+    import accelerate.accelerator as acc
+    import accelerate.state as state
+
+    original_prepare = acc.fsdp2_prepare_model
+
+    @functools.wraps(original_prepare)
+    def fsdp2_prepare_model(accelerator, model):
+        model = original_prepare(accelerator, model)
+        from .comms import apply
+
+        switched = apply(model)
+        note_stack("accelerate", engaged=True, fsdp_version=2, modules_through_the_core=len(switched))
+        return model
+
+    patch(acc, "fsdp2_prepare_model", fsdp2_prepare_model, owner=_OWNER)
+
+    original_init = state.AcceleratorState.__init__
+
+    @functools.wraps(original_init)
+    def __init__(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        _fsdp_on_cpu(self, kwargs.get("fsdp_plugin"))
+
+    patch(state.AcceleratorState, "__init__", __init__, owner=_OWNER)
+
+
+def uninstall() -> None:
+    import sys
+
+    acc = sys.modules.get("accelerate.accelerator")
+    state = sys.modules.get("accelerate.state")
+    if acc is not None:
+        unpatch(acc, "fsdp2_prepare_model")
+    if state is not None:
+        unpatch(state.AcceleratorState, "__init__")
+
+
+def _fsdp_on_cpu(state, fsdp_plugin) -> None:
+    from accelerate.utils import DistributedType
+
+    chosen = getattr(state, "_slipstream_fsdp_plugin", None)  # the state is shared: set once
+    if chosen is not None:
+        if state.distributed_type == DistributedType.MULTI_CPU:  # re-initialised: keep what we chose
+            state.distributed_type, state.fsdp_plugin = DistributedType.FSDP, chosen
+        return
+    asked = fsdp_plugin is not None or os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+    if state.distributed_type != DistributedType.MULTI_CPU or not asked:
+        return
+    if fsdp_plugin is None:
+        from accelerate.utils import FullyShardedDataParallelPlugin
+
+        fsdp_plugin = FullyShardedDataParallelPlugin()
+    state.distributed_type, state.fsdp_plugin = DistributedType.FSDP, fsdp_plugin
+    state._slipstream_fsdp_plugin = fsdp_plugin
+    if os.environ.get("LOCAL_RANK", "0") == "0":  # once per node, not once per rank
+        warn_once("FSDP was configured and the job runs on CPU: accelerate would have used DDP; it runs FSDP "
+                  f"(version {fsdp_plugin.fsdp_version}) as configured, with its collectives through slipstream")
+
+
+def Accelerator(*args, **kwargs):  # noqa: N802 - a drop-in for the class
+    """``accelerate.Accelerator(*args, **kwargs)`` with the adapter installed first."""
+    install()
+    import accelerate
+
+    return accelerate.Accelerator(*args, **kwargs)
