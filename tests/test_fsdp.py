@@ -175,3 +175,52 @@ def test_the_accelerate_patches_install_and_uninstall_exactly():
     assert state.AcceleratorState.__dict__["__init__"].__wrapped__ is before[1]
     adapter.uninstall()
     assert (acc.fsdp2_prepare_model, state.AcceleratorState.__dict__["__init__"]) == before
+
+
+def _hsdp(rank, world, ours):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from slipstream import fsdp
+    from slipstream.core_comm import counters
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))  # shard inside a node
+    torch.manual_seed(0)
+    model = Tiny(False)
+    for layer in (model.body[0], model.body[2], model.body[4]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    if ours:
+        fsdp.apply(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(rank)
+    counters.reset()
+    losses = []
+    for _ in range(3):
+        ids = torch.randint(0, 50, (6, 5), generator=gen)
+        loss = torch.nn.functional.cross_entropy(model(ids).flatten(0, 1), ids.roll(1, 1).flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    counts = counters.snapshot()
+    weights = [p.full_tensor().detach() for p in model.parameters()]
+    if ours:
+        fsdp.remove(model)
+        from torch.distributed.fsdp._fully_shard import _fsdp_collectives
+
+        assert _fsdp_collectives.dist is dist, "the HSDP all-reduce view was not removed"
+    return _bytes({"losses": losses, "weights": weights, "counts": counts})
+
+
+def test_hsdp_reduce_scatter_inside_nodes_and_all_reduce_across_them_through_the_core():
+    nodes = [{"SLIPSTREAM_NODE": str(n)} for n in (0, 0, 1, 1)]
+    stock = _load(run_ranks(_hsdp, 4, False, rank_env=nodes, timeout=300))
+    ours = _load(run_ranks(_hsdp, 4, True, rank_env=nodes, timeout=300))
+    for s, o in zip(stock, ours):
+        torch.testing.assert_close(o["losses"], s["losses"], rtol=1e-5, atol=0)
+        for a, b in zip(o["weights"], s["weights"]):  # SGD: weight differences = lr x gradient rounding
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        counts = o["counts"]
+        assert set(counts["reduce_scatter"]) <= {"shm", "cma"}, counts  # the shard group is one node
+        assert "all_reduce" in counts and "stock" not in counts["all_reduce"], counts  # across the nodes

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from ...core_comm import pool
 from ...core_comm.config import CommConfig
 from ...report import warn_once
+from .._patch import patch, unpatch
 
 __all__ = ["apply", "remove", "SlipstreamAllGather", "SlipstreamReduceScatter", "is_applied"]
 
@@ -124,6 +125,10 @@ def apply(model: torch.nn.Module, config: CommConfig | None = None) -> list[str]
         module.set_custom_all_gather(gather_cls(config))
         module.set_custom_reduce_scatter(scatter_cls(config))
         vars(module)[_ORIGINALS] = before
+        for g in groups:  # HSDP: the replicate group's all-reduce of each reduce-scatter output
+            replicate = getattr(g.mesh_info, "replicate_process_group", None)
+            if replicate is not None:
+                _HSDP.route(replicate, config)
         switched.append(label)
     if not found:
         raise ValueError(f"{type(model).__name__} has no FSDP2 module: call fully_shard on it (and its layers) first")
@@ -138,6 +143,61 @@ def remove(model: torch.nn.Module) -> None:
             continue
         for group, (gather, scatter) in zip(module._get_fsdp_state()._fsdp_param_groups, before):
             group._all_gather_comm, group._reduce_scatter_comm = gather, scatter
+            replicate = getattr(group.mesh_info, "replicate_process_group", None)
+            if replicate is not None:
+                _HSDP.unroute(replicate)
+
+
+class _HsdpAllReduce:
+    """HSDP's all-reduce across replicas is a plain ``dist.all_reduce`` inside FSDP2's
+    ``_fsdp_collectives`` (no custom-comm hook for it in torch 2.13). That module's ``dist``
+    is replaced by a view of ``torch.distributed`` whose ``all_reduce`` sends the replicate
+    groups of switched modules to the core; every other call and group is torch's own. The
+    view is installed with the first HSDP module switched and removed with the last
+    (``plugins._patch``: exact undo)."""
+
+    def __init__(self) -> None:
+        self.groups: dict[int, list] = {}  # id(group) -> [group, config, modules switched on it]
+
+    def route(self, group, config) -> None:
+        entry = self.groups.setdefault(id(group), [group, config, 0])
+        entry[2] += 1
+        if len(self.groups) == 1 and entry[2] == 1:
+            from torch.distributed.fsdp._fully_shard import _fsdp_collectives
+
+            patch(_fsdp_collectives, "dist", _DistView(self), owner="fsdp")
+
+    def unroute(self, group) -> None:
+        entry = self.groups.get(id(group))
+        if entry is None:
+            return
+        entry[2] -= 1
+        if entry[2] == 0:
+            del self.groups[id(group)]
+        if not self.groups:
+            from torch.distributed.fsdp._fully_shard import _fsdp_collectives
+
+            unpatch(_fsdp_collectives, "dist")
+
+
+class _DistView:
+    """``torch.distributed`` with ``all_reduce`` of the routed groups through the core."""
+
+    def __init__(self, routes: _HsdpAllReduce) -> None:
+        self._routes = routes
+
+    def __getattr__(self, name):
+        return getattr(dist, name)
+
+    def all_reduce(self, tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        entry = self._routes.groups.get(id(group))
+        if entry is None:
+            return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+        work = pool.get(group, config=entry[1]).all_reduce(tensor, op, async_op=async_op)
+        return _work(work, [tensor]) if async_op else None
+
+
+_HSDP = _HsdpAllReduce()
 
 
 def is_applied(model: torch.nn.Module) -> bool:
