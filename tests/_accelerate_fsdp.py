@@ -14,7 +14,7 @@ from accelerate.utils import FullyShardedDataParallelPlugin
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(32, 96), torch.nn.GELU(), torch.nn.Linear(96, 63), torch.nn.GELU(), torch.nn.Linear(63, 8))
 opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-acc = Accelerator(cpu=True, fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=2))
+acc = Accelerator(cpu=True, fsdp_plugin=FullyShardedDataParallelPlugin(fsdp_version=int(os.environ.get("FSDP_VERSION", "2"))))
 model, opt = acc.prepare(model, opt)
 g = torch.Generator().manual_seed(acc.process_index)
 losses = []

@@ -144,7 +144,7 @@ def test_accelerate_with_an_fsdp_plugin_runs_fsdp2_through_the_core_with_ddps_lo
 
     def run(ours: bool) -> dict:
         env = {k: v for k, v in os.environ.items() if not k.startswith("SLIPSTREAM")}
-        env.update(OURS=str(int(ours)), OMP_NUM_THREADS="1")
+        env.update(OURS=str(int(ours)), OMP_NUM_THREADS="1", FSDP_VERSION="2")
         out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                               "--master-port", str(free_port()), script],
                              capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
@@ -154,10 +154,10 @@ def test_accelerate_with_an_fsdp_plugin_runs_fsdp2_through_the_core_with_ddps_lo
 
     stock, ours = run(False), run(True)
     assert stock["type"].startswith("DistributedDataParallel")
-    assert ours["type"].startswith("FSDP") and "FSDP" in ours["type"].split()[1]
+    assert "FSDP" in ours["type"].split()[0] and "FSDP" in ours["type"].split()[1]
     assert json.loads(ours["losses"]) == pytest.approx(json.loads(stock["losses"]), rel=1e-6)
     assert float(ours["state"].rsplit(" ", 1)[1]) == pytest.approx(float(stock["state"].rsplit(" ", 1)[1]), rel=1e-5)
-    assert "'all_gather': {'shm'" in ours["status"] and "'reduce_scatter': {'shm'" in ours["status"]
+    assert "'reduce_scatter': {'shm'" in ours["status"] and "'all_gather': {'shm'" in ours["status"]
     assert "runs FSDP (version 2) as configured" in ours["out"].stderr
 
 
@@ -168,13 +168,16 @@ def test_the_accelerate_patches_install_and_uninstall_exactly():
 
     from slipstream.plugins.fsdp import accelerate as adapter
 
-    before = (acc.fsdp2_prepare_model, state.AcceleratorState.__dict__["__init__"])
+    def now():
+        return (acc.fsdp2_prepare_model, state.AcceleratorState.__dict__["__init__"],
+                acc.Accelerator.__dict__["prepare_model"])
+
+    before = now()
     adapter.install()
     adapter.install()  # idempotent
-    assert acc.fsdp2_prepare_model.__wrapped__ is before[0]
-    assert state.AcceleratorState.__dict__["__init__"].__wrapped__ is before[1]
+    assert all(new.__wrapped__ is old for new, old in zip(now(), before))
     adapter.uninstall()
-    assert (acc.fsdp2_prepare_model, state.AcceleratorState.__dict__["__init__"]) == before
+    assert now() == before
 
 
 def _hsdp(rank, world, ours):
@@ -224,3 +227,40 @@ def test_hsdp_reduce_scatter_inside_nodes_and_all_reduce_across_them_through_the
         counts = o["counts"]
         assert set(counts["reduce_scatter"]) <= {"shm", "cma"}, counts  # the shard group is one node
         assert "all_reduce" in counts and "stock" not in counts["all_reduce"], counts  # across the nodes
+
+
+def _fsdp1(rank, world, ours):
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    from slipstream.core_comm import counters
+    from slipstream.plugins.fsdp.fsdp1 import register
+
+    torch.manual_seed(0)
+    model = FSDP(Tiny(False), device_id=torch.device("cpu"), use_orig_params=True)
+    if ours:
+        register(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(rank)
+    counters.reset()
+    losses = []
+    for _ in range(3):
+        ids = torch.randint(0, 50, (6, 5), generator=gen)
+        loss = torch.nn.functional.cross_entropy(model(ids).flatten(0, 1), ids.roll(1, 1).flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    with FSDP.summon_full_params(model):
+        weights = [p.detach().clone() for p in model.parameters()]
+    return _bytes({"losses": losses, "weights": weights, "counts": counters.snapshot()})
+
+
+def test_fsdp1_comm_hook_matches_stock_fsdp1():
+    env = [{"SLIPSTREAM_NODE": "0"}] * 2
+    stock = _load(run_ranks(_fsdp1, 2, False, rank_env=env, timeout=300))
+    ours = _load(run_ranks(_fsdp1, 2, True, rank_env=env, timeout=300))
+    for s, o in zip(stock, ours):
+        torch.testing.assert_close(o["losses"], s["losses"], rtol=1e-5, atol=0)
+        for a, b in zip(o["weights"], s["weights"]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        assert set(o["counts"]["reduce_scatter"]) <= {"shm", "cma"}, o["counts"]

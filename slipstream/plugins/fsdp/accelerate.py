@@ -2,10 +2,11 @@
 
 Installed when accelerate is imported after ``slipstream.enable()`` (or with ``SLIPSTREAM=1``
 in the environment): every model accelerate prepares with FSDP2 gets
-``slipstream.fsdp.apply``. Two reversible patches of accelerate:
+``slipstream.fsdp.apply``. Reversible patches of accelerate:
 
 - ``accelerate.accelerator.fsdp2_prepare_model``: after accelerate's own ``fully_shard``
-  wrapping, the model's collectives go through the core;
+  wrapping, the model's collectives go through the core; ``Accelerator.prepare_model``: an
+  FSDP1 root it wrapped gets the core's reduce-scatter comm hook (``fsdp1.py``);
 - ``AcceleratorState.__init__``: on CPU accelerate runs DDP even when FSDP is configured (its
   FSDP branch lists only accelerator devices); with slipstream on, a job that configured FSDP
   (an FSDP plugin, or ``ACCELERATE_USE_FSDP=true`` from ``accelerate launch`` with an FSDP
@@ -48,6 +49,16 @@ def install() -> None:
 
     patch(acc, "fsdp2_prepare_model", fsdp2_prepare_model, owner=_OWNER)
 
+    original_prepare_model = acc.Accelerator.prepare_model
+
+    @functools.wraps(original_prepare_model)
+    def prepare_model(self, model, *args, **kwargs):
+        model = original_prepare_model(self, model, *args, **kwargs)
+        _hook_fsdp1(model)
+        return model
+
+    patch(acc.Accelerator, "prepare_model", prepare_model, owner=_OWNER)
+
     original_init = state.AcceleratorState.__init__
 
     @functools.wraps(original_init)
@@ -65,8 +76,22 @@ def uninstall() -> None:
     state = sys.modules.get("accelerate.state")
     if acc is not None:
         unpatch(acc, "fsdp2_prepare_model")
+        unpatch(acc.Accelerator, "prepare_model")
     if state is not None:
         unpatch(state.AcceleratorState, "__init__")
+
+
+def _hook_fsdp1(model) -> None:
+    """An FSDP1 root that accelerate just wrapped: its reduce-scatter through the core."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    if not isinstance(model, FullyShardedDataParallel) or getattr(model, "_slipstream_fsdp1", False):
+        return
+    from .fsdp1 import register
+
+    register(model)
+    model._slipstream_fsdp1 = True
+    note_stack("accelerate", engaged=True, fsdp_version=1, gradient_reduce_scatter="through the core")
 
 
 def _fsdp_on_cpu(state, fsdp_plugin) -> None:
@@ -84,6 +109,11 @@ def _fsdp_on_cpu(state, fsdp_plugin) -> None:
         from accelerate.utils import FullyShardedDataParallelPlugin
 
         fsdp_plugin = FullyShardedDataParallelPlugin()
+    if fsdp_plugin.fsdp_version != 2:  # accelerate's FSDP1 wrapping wants an accelerator device id
+        if os.environ.get("LOCAL_RANK", "0") == "0":
+            warn_once("FSDP1 was configured and the job runs on CPU, where accelerate cannot wrap FSDP1: it "
+                      "runs accelerate's DDP (fsdp_version: 2 runs FSDP2 on CPU through slipstream)")
+        return
     state.distributed_type, state.fsdp_plugin = DistributedType.FSDP, fsdp_plugin
     state._slipstream_fsdp_plugin = fsdp_plugin
     if os.environ.get("LOCAL_RANK", "0") == "0":  # once per node, not once per rank

@@ -1,0 +1,42 @@
+"""FSDP1 (``FullyShardedDataParallel``): the sharded gradient reduce-scatter through the core,
+as a communication hook with FSDP's own pre- and post-division.
+
+    from torch.distributed.algorithms._comm_hooks import default_hooks
+    model.register_comm_hook(default_hooks.DefaultState(process_group), slipstream_fsdp1_hook)
+
+or ``register(model)``, which does that for the model's group. The hook is torch's
+``reduce_scatter_hook`` with the reduce-scatter handed to the core's communicator of the
+group; for a strategy without sharding (``NO_SHARD``, ``output`` is None) it all-reduces, as
+torch's ``allreduce_hook`` does. The parameter all-gathers go through the group's backend
+(the core, when the group is on ``slipstream``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...core_comm import pool
+
+__all__ = ["register", "slipstream_fsdp1_hook"]
+
+
+def slipstream_fsdp1_hook(state, grad: torch.Tensor, output: torch.Tensor | None) -> None:
+    """``state``: torch's ``DefaultState`` (process group, pre/post-division factors)."""
+    comm = pool.get(state.process_group)
+    if state.gradient_predivide_factor > 1:
+        grad.div_(state.gradient_predivide_factor)
+    if output is None:
+        comm.all_reduce(grad)
+        target = grad
+    else:
+        comm.reduce_scatter(output, grad)
+        target = output
+    if state.gradient_postdivide_factor > 1:
+        target.div_(state.gradient_postdivide_factor)
+
+
+def register(model) -> None:
+    """Register the hook on an FSDP1 root module (before its first backward)."""
+    from torch.distributed.algorithms._comm_hooks.default_hooks import DefaultState
+
+    model.register_comm_hook(DefaultState(model.process_group), slipstream_fsdp1_hook)
