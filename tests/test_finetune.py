@@ -40,6 +40,31 @@ def test_embedded_default_runs_end_to_end_and_matches_stock(tmp_path):
     assert (out / "compare.png").stat().st_size > 0
 
 
+def test_fsdp_stack_compare_matches_stock_fsdp2_with_its_collectives_through_the_core(tmp_path):
+    figures = tmp_path / "figures.json"
+    assert main(["finetune", "--stack", "fsdp", "--compare", "--steps", "3", "--samples", "48", "--max-length",
+                 "128", "--batch-size", "4", "--output-dir", str(tmp_path / "run"), "--json", str(figures)]) == 0
+    stock, ours = json.loads(figures.read_text())
+    assert stock["stack"] == ours["stack"] == "fsdp2"
+    for a, b in zip(stock["losses"], ours["losses"], strict=True):
+        assert abs(a - b) <= 1e-5 * abs(a)
+    assert ours["padding_removed"] > 0.1 and stock["padding_removed"] == 0
+    assert stock["comm_paths"] == {}  # plain FSDP2 on gloo never reaches the core
+    for op in ("all_gather", "reduce_scatter"):
+        assert set(ours["comm_paths"][op]) <= {"shm", "cma"}, ours["comm_paths"]
+        assert ours["comm_by_op"][op]["calls"] == stock["comm_by_op"][op]["calls"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--stack", "fsdp", "--hsdp"], "--hsdp needs --nodes >= 2"),
+    (["--hsdp"], "go with --stack fsdp"),
+    (["--stack", "fsdp", "--config", "x.json"], "goes with --stack deepspeed"),
+])
+def test_fsdp_stack_options_are_checked_before_any_rank_starts(tmp_path, args, message):
+    with pytest.raises(SystemExit, match=message):
+        main(["finetune", *args, "--output-dir", str(tmp_path)])
+
+
 @pytest.mark.faults
 def test_malformed_data_file_names_the_file_and_the_record(tmp_path):
     bad = tmp_path / "data.json"

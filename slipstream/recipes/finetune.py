@@ -14,6 +14,7 @@ from pathlib import Path
 from ..cluster import ClusterSpec, launch
 
 WORKER = "slipstream.recipes._finetune_worker"
+WORKERS = {"deepspeed": WORKER, "fsdp": "slipstream.recipes._finetune_fsdp_worker"}
 # Options handed to every rank unchanged: (flag, attribute).
 _PASSED = [("--model", "model"), ("--tokenizer", "tokenizer"), ("--data", "data"), ("--samples", "samples"),
            ("--max-length", "max_length"), ("--steps", "steps"), ("--zero", "zero"),
@@ -32,6 +33,11 @@ def add_arguments(p) -> None:
     p.add_argument("--nodes", type=int, default=1, help="emulated nodes (network namespaces; needs root)")
     p.add_argument("--link", default=None, help="rate of each emulated node's link, e.g. 1gbit")
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--stack", choices=tuple(WORKERS), default="deepspeed",
+                   help="deepspeed: DeepSpeed ZeRO (default); fsdp: PyTorch FSDP2 (fully_shard per decoder layer)")
+    p.add_argument("--hsdp", action="store_true",
+                   help="with --stack fsdp: a 2-D mesh, shard inside a node and replicate across nodes")
+    p.add_argument("--no-varlen", action="store_true", help="with --stack fsdp: slipstream's collectives only")
     p.add_argument("--zero", type=int, choices=(1, 2, 3), default=2)
     p.add_argument("--batch-size", type=int, default=8, help="samples per rank per micro-step")
     p.add_argument("--grad-accum", type=int, default=1)
@@ -66,6 +72,12 @@ def validate(args) -> None:
         where = args.data if args.data is not None else "--samples"
         raise AlpacaFormatError(f"{where}: {len(records)} records, fewer than one step needs ({per_step} = "
                                 f"--batch-size x --grad-accum x ranks)")
+    if args.stack != "fsdp" and (args.hsdp or args.no_varlen):
+        raise SystemExit("--hsdp and --no-varlen go with --stack fsdp")
+    if args.hsdp and args.nodes < 2:
+        raise SystemExit("--hsdp needs --nodes >= 2 (it replicates across nodes)")
+    if args.config is not None and args.stack == "fsdp":
+        raise SystemExit("--config is a DeepSpeed JSON: it goes with --stack deepspeed")
     if args.config is not None:
         path = Path(args.config)
         try:
@@ -97,7 +109,9 @@ def run(args) -> int:
 
 
 def _launch(args, impl: str, spec: ClusterSpec) -> dict:
-    argv = ["-m", WORKER, "--impl", impl]
+    argv = ["-m", WORKERS[getattr(args, "stack", "deepspeed")], "--impl", impl]
+    if getattr(args, "stack", "deepspeed") == "fsdp":
+        argv += ["--hsdp"] * bool(args.hsdp) + ["--no-varlen"] * bool(args.no_varlen)
     for flag, attr in _PASSED:
         value = getattr(args, attr)
         if value is not None:
@@ -109,11 +123,12 @@ def _launch(args, impl: str, spec: ClusterSpec) -> dict:
 
 
 def _print_summary(r: dict) -> None:
+    what = r.get("stack", "").upper() if r.get("stack") else f"ZeRO-{r['zero']}"
     print(
-        f"\n[{r['impl']}] ZeRO-{r['zero']}, {r['steps']} steps: {r['tokens_per_s']:.0f} real tokens/s, "
+        f"\n[{r['impl']}] {what}, {r['steps']} steps: {r['tokens_per_s']:.0f} real tokens/s, "
         f"step {r['step_time_s']:.3f} s (communication {r['comm_time_s']:.3f} s), "
         f"padding removed {100 * r['padding_removed']:.0f}%, final loss {r['final_loss']:.4f}, "
-        f"peak memory {r['peak_mem_mb']:.0f} MiB\ncheckpoint: {r['checkpoint']}"
+        f"peak memory {r['peak_mem_mb']:.0f} MiB" + (f"\ncheckpoint: {r['checkpoint']}" if r["checkpoint"] else "")
     )
 
 
@@ -126,7 +141,8 @@ def compare_table(stock: dict, ours: dict) -> str:
         ("peak memory (MiB)", "peak_mem_mb", "{:.0f}"),
         ("final loss", "final_loss", "{:.6f}"),
     ]
-    lines = [f"| {'':20} | {'DeepSpeed':>12} | {'+ slipstream':>12} | {'ratio':>7} |", "|" + "---|" * 4]
+    stack = "FSDP2" if stock.get("stack") else "DeepSpeed"
+    lines = [f"| {'':20} | {stack:>12} | {'+ slipstream':>12} | {'ratio':>7} |", "|" + "---|" * 4]
     for label, key, fmt in rows:
         a, b = stock[key], ours[key]
         ratio = b / a if key == "tokens_per_s" else (a / b if b else float("nan"))
