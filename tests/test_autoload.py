@@ -17,7 +17,7 @@ import deepspeed
 hooked = deepspeed.initialize
 assert getattr(hooked, "__slipstream_patch__", None) == "deepspeed", "deepspeed.initialize was not hooked on import"
 original = hooked.__wrapped__
-assert not any(type(f).__name__ == "_AfterImport" for f in sys.meta_path), "finder left behind"
+assert not any(type(f).__name__ == "_AfterImport" and f.name == "deepspeed" for f in sys.meta_path), "finder left behind"
 autoload.remove_hooks()
 assert deepspeed.initialize is original
 autoload.install_hooks()  # DeepSpeed already imported: hooked at once

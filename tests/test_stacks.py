@@ -169,3 +169,16 @@ def test_status_names_the_groups_paths_and_the_routed_collectives():
         assert set(st["collectives"]["all_reduce"]) == {"shm"} and "all_gather" in st["collectives"]
         assert "broadcast" not in st["collectives"]  # stock calls that never reach the core are not counted
         assert "group of 2 ranks on 1 node(s): shm" in text and "all_reduce:shm" in text
+
+
+@needs_hook
+def test_slipstream_1_installs_the_accelerate_adapter_when_accelerate_imports_torch_itself():
+    """``enable()`` runs when torch finishes importing, which accelerate's own first lines
+    cause: the adapter installs once accelerate has finished, at the next import."""
+    pytest.importorskip("accelerate")
+    probe = ("import accelerate, colorsys; from accelerate import accelerator as a; "
+             "print(getattr(a.fsdp2_prepare_model, '__slipstream_patch__', None))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120,
+                         env=_env(SLIPSTREAM="1"))
+    assert out.returncode == 0 and out.stdout.split()[-1] == "accelerate", out.stderr[-3000:]
+    assert "could not act" not in out.stderr

@@ -53,13 +53,39 @@ class _ThenInstall(importlib.abc.Loader):
 
 
 def _remove_finder(name: str) -> None:
-    sys.meta_path[:] = [f for f in sys.meta_path if not (isinstance(f, _AfterImport) and f.name == name)]
+    sys.meta_path[:] = [f for f in sys.meta_path
+                        if not (isinstance(f, (_AfterImport, _WhenInitialised)) and f.name == name)]
+
+
+class _WhenInitialised(importlib.abc.MetaPathFinder):
+    """For a stack that is being imported when ``install_hooks`` runs (``enable()`` reached
+    from inside its own import, e.g. torch imported by accelerate's first lines): installs the
+    adapter at the first import after the stack's has finished, then removes itself. Finds
+    nothing itself."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def find_spec(self, fullname, path=None, target=None):
+        module = sys.modules.get(self.name)
+        if module is None or _initialising(module):
+            return None
+        sys.meta_path[:] = [f for f in sys.meta_path if f is not self]
+        importlib.import_module(ADAPTERS[self.name]).install()
+        return None
+
+
+def _initialising(module) -> bool:
+    return bool(getattr(getattr(module, "__spec__", None), "_initializing", False))
 
 
 def install_hooks() -> None:
     """Idempotent."""
     for name, adapter in ADAPTERS.items():
-        if name in sys.modules:
+        if name in sys.modules and _initialising(sys.modules[name]):
+            if not any(isinstance(f, _WhenInitialised) and f.name == name for f in sys.meta_path):
+                sys.meta_path.insert(0, _WhenInitialised(name))
+        elif name in sys.modules:
             importlib.import_module(adapter).install()
         elif importlib.util.find_spec(name) is not None and not any(
             isinstance(f, _AfterImport) and f.name == name for f in sys.meta_path
