@@ -12,6 +12,7 @@ Cases, from the victim's side (every other rank keeps calling ``FAULT_OP`` on a 
     frozen          stops itself (SIGSTOP) before its 4th collective
     mismatch        calls its 4th collective with a different size
     other_call      calls a broadcast where the others call ``FAULT_OP``
+    fsdp            FSDP2 training through ``slipstream.fsdp.apply``: exits 50 ms into step 4
 
 Each rank prints ``FAULT <unix time>`` just before its fault (or mismatched call), and a rank
 whose collective raises prints ``ERROR <type>: <message>`` and exits 1. A rank that completes
@@ -80,6 +81,8 @@ def main(case: str) -> int:
         os._exit(3)
     if victim and case == "setup":
         _die_holding_a_segment()
+    if case == "fsdp":
+        return _fsdp(victim)
     x = torch.ones(N)
     try:
         for i in range(CALLS):
@@ -104,6 +107,32 @@ def main(case: str) -> int:
         print(f"ERROR {type(e).__name__}: {e}", flush=True)
         sys.exit(1)  # with the interpreter's teardown, as a script that raises has
     dist.destroy_process_group()
+    return 0
+
+
+def _fsdp(victim: bool) -> int:
+    from torch.distributed.fsdp import fully_shard
+
+    from slipstream import fsdp
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(4)])
+    for layer in model:
+        fully_shard(layer)
+    fully_shard(model)
+    fsdp.apply(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    try:
+        for step in range(200):
+            if victim and step == 3:
+                threading.Timer(0.05, _fault_now_and_exit).start()
+            model(torch.randn(64, 512)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    except Exception as e:  # noqa: BLE001 - reported to the harness
+        traceback.print_exc()
+        print(f"ERROR {type(e).__name__}: {e}", flush=True)
+        sys.exit(1)
     return 0
 
 

@@ -320,8 +320,11 @@ class Communicator:
         ``backward(create_graph=True)``), where an ``out=`` reduction would raise."""
 
         def values_only() -> None:
-            with torch.no_grad():
-                fn()
+            try:
+                with torch.no_grad():
+                    fn()
+            except Exception as e:  # noqa: BLE001 - re-raised with the job's first failure
+                raise _with_first_failure(e) from e
 
         if not async_op:
             self._drain()  # keep the order of calls the same on every rank
@@ -400,6 +403,28 @@ class Communicator:
         if device not in self._staging:
             self._staging[device] = CudaStaging(device, self.config.chunk_bytes)
         return self._staging[device]
+
+
+_FIRST_FAILURE = "slipstream-first-failure"
+
+
+def _with_first_failure(error: Exception) -> Exception:
+    """``error``, naming the job's first failure when another rank's came first. A failure
+    cascades (rank 3 dies; its node peer rank 2 raises and exits; rank 0 then loses its
+    connection to rank 2), so each rank records its error in the default store, first writer
+    wins, and a later one names the first: rank 0's error then says rank 3 died."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        mine = f"global rank {dist.get_rank()}: {error}"
+        first = store.compare_set(_FIRST_FAILURE, "", mine).decode()
+    except Exception:  # noqa: BLE001 - no store, or its host is gone: the error as it is
+        return error
+    if first == mine or not first:
+        return error
+    try:
+        return type(error)(f"{error} (the first failure in the job, on {first})")
+    except Exception:  # noqa: BLE001 - an error type that takes other arguments
+        return RuntimeError(f"{error} (the first failure in the job, on {first})")
 
 
 def as_torch_future(work, value) -> torch.futures.Future:
