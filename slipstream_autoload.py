@@ -6,7 +6,8 @@ has been imported.
     SLIPSTREAM_AUTOLOAD=0   the hook does nothing at all
     SLIPSTREAM=1            once torch is imported: ``slipstream.enable()`` (the slipstream
                             backend becomes torch's default for CPU groups, and every stack
-                            adapter installs when its stack is imported)
+                            adapter installs when its stack is imported); so does
+                            SLIPSTREAM_CONFIG=path (a file of slipstream's settings)
     (neither)               once DeepSpeed is imported: its adapter, so that a DeepSpeed
                             config with a ``"slipstream"`` section turns slipstream on, and
                             one without leaves DeepSpeed exactly stock
@@ -53,7 +54,7 @@ class SlipstreamAutoload:
                 import slipstream
 
                 slipstream.enable()
-                slipstream.switch.note_source("SLIPSTREAM=1")
+                slipstream.switch.note_source("SLIPSTREAM=1" if os.environ.get("SLIPSTREAM") else "SLIPSTREAM_CONFIG")
             else:
                 import importlib
 
@@ -84,7 +85,8 @@ def install() -> None:
         return
     if any(type(f).__name__ == "SlipstreamAutoload" for f in sys.meta_path):
         return
-    enable_all = os.environ.get("SLIPSTREAM", "").strip().lower() in ("1", "true", "yes", "on")
+    enable_all = (os.environ.get("SLIPSTREAM", "").strip().lower() in ("1", "true", "yes", "on")
+                  or bool(os.environ.get("SLIPSTREAM_CONFIG")))
     finder = SlipstreamAutoload(enable_all)
     for name in tuple(finder.pending):
         if name in sys.modules:  # already imported (the hook run late, by hand)

@@ -21,7 +21,7 @@ from typing import Any, Mapping
 from .core_comm.config import CommConfig, check_field
 from .core_compile.varlen import VarlenConfig
 
-__all__ = ["SlipstreamConfig", "resolve_comm"]
+__all__ = ["CONFIG_VAR", "SlipstreamConfig", "config_from_env", "load_config_file", "resolve_comm"]
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -60,6 +60,41 @@ class SlipstreamConfig:
         varlen = _dataclass_from(VarlenConfig, varlen_section, f"{where}.varlen", extra={"enabled"}) if varlen_on else None
         keep = _typed(section.get("keep_freed_memory", True), bool, f"{where}.keep_freed_memory")
         return cls(enabled=enabled, comm=comm, varlen=varlen, keep_freed_memory=keep)
+
+
+CONFIG_VAR = "SLIPSTREAM_CONFIG"
+
+
+def load_config_file(path: str | os.PathLike, environ: Mapping[str, str] = os.environ) -> SlipstreamConfig:
+    """The ``SlipstreamConfig`` in a JSON or YAML file (``.yaml``/``.yml``): either the section
+    itself (``{"enabled": true, "varlen": {...}}``) or a file with a top-level ``"slipstream"``
+    key (a DeepSpeed JSON). Errors name the file and the key."""
+    path = os.fspath(path)
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"{CONFIG_VAR}={path}: cannot read it ({e})") from None
+    try:
+        if path.endswith((".yaml", ".yml")):
+            import yaml
+
+            data = yaml.safe_load(text)
+        else:
+            import json
+
+            data = json.loads(text)
+    except Exception as e:  # noqa: BLE001 - JSON or YAML syntax
+        raise ValueError(f"{CONFIG_VAR}={path}: not valid {'YAML' if path.endswith(('.yaml', '.yml')) else 'JSON'}: {e}") from None
+    if isinstance(data, Mapping) and "slipstream" in data:
+        data = data["slipstream"]
+    return SlipstreamConfig.from_dict(data if data is not None else {}, f"{path}: slipstream", environ=environ)
+
+
+def config_from_env(environ: Mapping[str, str] = os.environ) -> SlipstreamConfig | None:
+    """The file named by ``SLIPSTREAM_CONFIG``, or None when the variable is unset."""
+    path = environ.get(CONFIG_VAR)
+    return load_config_file(path, environ) if path else None
 
 
 def resolve_comm(*, code: CommConfig | None = None, section: Mapping[str, Any] | None = None,

@@ -65,3 +65,35 @@ def test_a_bad_section_value_is_refused_by_key(section, message):
 def test_a_bad_section_key_is_refused_even_when_code_gives_the_config():
     with pytest.raises(ValueError, match="slipstream.comm: unknown key 'chunk'"):
         SlipstreamConfig.from_dict({"comm": {"chunk": 1}}, code=CommConfig())
+
+
+@pytest.mark.parametrize("name, text", [
+    ("s.json", '{"enabled": true, "varlen": {"enabled": true}, "comm": {"chunk_bytes": 65536}}'),
+    ("ds.json", '{"zero_optimization": {"stage": 2}, "slipstream": {"varlen": {"enabled": true}, "comm": {"chunk_bytes": 65536}}}'),
+    ("s.yaml", "enabled: true\nvarlen: {enabled: true}\ncomm:\n  chunk_bytes: 65536\n"),
+])
+def test_slipstream_config_names_a_json_or_yaml_file_of_the_same_section(tmp_path, name, text):
+    from slipstream.config import config_from_env
+
+    path = tmp_path / name
+    path.write_text(text)
+    settings = config_from_env({"SLIPSTREAM_CONFIG": str(path)})
+    assert settings.enabled and settings.varlen is not None and settings.comm.chunk_bytes == 65536
+    assert config_from_env({}) is None
+
+
+@pytest.mark.faults
+@pytest.mark.parametrize("text, message", [
+    ('{"varlen": {"enable": true}}', r"s.json: slipstream.varlen: unknown key 'enable' \(did you mean 'enabled'\?\)"),
+    ("{nope", r"s.json: not valid JSON"),
+    ('{"comm": {"chunk_bytes": 100}}', r"s.json: slipstream.comm.chunk_bytes"),
+])
+def test_a_bad_slipstream_config_file_is_refused_naming_the_file_and_key(tmp_path, text, message):
+    from slipstream.config import config_from_env
+
+    path = tmp_path / "s.json"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=message):
+        config_from_env({"SLIPSTREAM_CONFIG": str(path)})
+    with pytest.raises(ValueError, match="cannot read it"):
+        config_from_env({"SLIPSTREAM_CONFIG": str(tmp_path / "missing.json")})

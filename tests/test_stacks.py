@@ -182,3 +182,26 @@ def test_slipstream_1_installs_the_accelerate_adapter_when_accelerate_imports_to
                          env=_env(SLIPSTREAM="1"))
     assert out.returncode == 0 and out.stdout.split()[-1] == "accelerate", out.stderr[-3000:]
     assert "could not act" not in out.stderr
+
+
+@needs_hook
+def test_slipstream_config_alone_runs_accelerate_fsdp2_with_varlen_and_stock_losses(tmp_path):
+    """accelerate's YAML cannot hold the section: ``SLIPSTREAM_CONFIG`` names a file of it."""
+    pytest.importorskip("accelerate")
+    config = tmp_path / "slipstream.yaml"
+    config.write_text("enabled: true\nvarlen: {enabled: true}\n")
+    script = os.path.join(ROOT, "tests", "_accelerate_llama.py")
+
+    def run(**env):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+               str(free_port()), script]
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path, env=_env(**env))
+        assert out.returncode == 0, out.stderr[-4000:]
+        return out
+
+    ours, stock = run(SLIPSTREAM_CONFIG=str(config)), run()
+    line = _start_line(ours)
+    assert line and "on (SLIPSTREAM_CONFIG)" in line and "accelerate: engaged" in line and "varlen" in line, line
+    assert "FSDP" in re.search(r"^prepared (\S+)", ours.stdout, re.M).group(1)
+    assert re.search(r"^prepared (\S+)", stock.stdout, re.M).group(1) == "DistributedDataParallel"
+    assert _losses(ours) == pytest.approx(_losses(stock), rel=1e-5)

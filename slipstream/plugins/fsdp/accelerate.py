@@ -12,6 +12,10 @@ in the environment): every model accelerate prepares with FSDP2 gets
   (an FSDP plugin, or ``ACCELERATE_USE_FSDP=true`` from ``accelerate launch`` with an FSDP
   YAML) gets FSDP on CPU, as configured, said once in the log.
 
+Settings come from the file named by ``SLIPSTREAM_CONFIG`` (JSON or YAML: the same section as
+in a DeepSpeed config, ``{"enabled": true, "comm": {...}, "varlen": {"enabled": true}}``),
+since accelerate's own YAML refuses unknown keys; without it, ``SLIPSTREAM_*`` and defaults.
+
 ``slipstream.accelerate.Accelerator`` is the explicit form: ``accelerate.Accelerator`` with
 these patches installed first.
 """
@@ -40,11 +44,22 @@ def install() -> None:
 
     @functools.wraps(original_prepare)
     def fsdp2_prepare_model(accelerator, model):
-        model = original_prepare(accelerator, model)
+        from ...config import config_from_env
         from .comms import apply
 
-        switched = apply(model)
-        note_stack("accelerate", engaged=True, fsdp_version=2, modules_through_the_core=len(switched))
+        settings = config_from_env()  # SLIPSTREAM_CONFIG: the one config, read where it applies
+        if settings is not None and not settings.enabled:
+            note_stack("accelerate", engaged=False, why="SLIPSTREAM_CONFIG says enabled: false")
+            return original_prepare(accelerator, model)
+        varlen = settings.varlen if settings is not None else None
+        if varlen is not None:
+            from ...core_compile import apply_varlen
+
+            apply_varlen(model, varlen)  # the bare model, before accelerate's fully_shard
+        model = original_prepare(accelerator, model)
+        switched = apply(model, config=settings.comm if settings is not None else None)
+        note_stack("accelerate", engaged=True, fsdp_version=2, modules_through_the_core=len(switched),
+                   varlen=varlen is not None)
         return model
 
     patch(acc, "fsdp2_prepare_model", fsdp2_prepare_model, owner=_OWNER)
