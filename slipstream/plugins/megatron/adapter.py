@@ -1,0 +1,204 @@
+"""Megatron-core's tensor- and data-parallel collectives through the core.
+
+Three ways in, for the three ways Megatron users start:
+
+- megatron-core users who call ``init_process_group`` themselves: ``slipstream.enable()``
+  before it. Groups made by ``parallel_state.initialize_model_parallel`` inherit the default
+  backend, so TP and DP collectives (Megatron DDP's coalesced bucket all-reduce included)
+  reach the core with no patch. ``install()`` (run when ``megatron.core`` is imported after
+  ``enable()``) checks once, after ``initialize_model_parallel``, that the groups are on
+  slipstream, and warns naming the group when one is not.
+- Megatron-LM users: ``add_arguments`` as (or chained into) ``extra_args_provider`` adds
+  ``--slipstream`` and ``--slipstream-config PATH``; ``initialize(args)`` acts on them before
+  Megatron initialises torch.distributed (the backend Megatron-LM names becomes
+  ``slipstream`` for CPU tensors; CUDA keeps NCCL).
+- users who keep another default backend: ``process_groups()`` returns a
+  ``ProcessGroupCollection`` whose groups are slipstream twins of parallel_state's (same
+  ranks), and routes the calls that bypass a collection (parallel_state's getters, used e.g. by
+  the vocab-parallel cross entropy) to the same twins: a reversible patch
+  (``restore_process_groups()``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import logging
+
+import torch.distributed as dist
+
+from ...report import note_stack, warn_once
+from .._patch import patch, unpatch
+
+__all__ = ["add_arguments", "chain", "initialize", "install", "process_groups", "restore_process_groups",
+           "uninstall"]
+
+log = logging.getLogger("slipstream.megatron")
+_OWNER = "megatron"
+# parallel_state getters whose groups ``process_groups`` gives twins, by collection field
+_GETTERS = {"tp": "get_tensor_model_parallel_group", "dp": "get_data_parallel_group",
+            "pp": "get_pipeline_model_parallel_group", "mp": "get_model_parallel_group",
+            "cp": "get_context_parallel_group"}
+
+
+# ------------------------------------------------------------------ Megatron-LM arguments
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Megatron-LM's ``extra_args_provider``: adds slipstream's flags; returns the parser."""
+    group = parser.add_argument_group(title="slipstream")
+    group.add_argument("--slipstream", action="store_true",
+                       help="route CPU collectives of every Megatron group through slipstream")
+    group.add_argument("--slipstream-config", metavar="PATH", default=None,
+                       help="JSON or YAML file of slipstream's settings (the DeepSpeed section's format)")
+    return parser
+
+
+def chain(*providers):
+    """One ``extra_args_provider`` that runs each of ``providers`` (yours, ``add_arguments``)."""
+    def provider(parser):
+        for p in providers:
+            parser = p(parser) or parser
+        return parser
+
+    return provider
+
+
+def initialize(args: argparse.Namespace) -> bool:
+    """Act on the parsed flags before Megatron initialises torch.distributed. Returns whether
+    slipstream is on. A bad ``--slipstream-config`` is refused naming the flag and the file."""
+    if not getattr(args, "slipstream", False):
+        if getattr(args, "slipstream_config", None):
+            raise ValueError("--slipstream-config needs --slipstream")
+        return False
+    comm = None
+    if args.slipstream_config:
+        from ...config import load_config_file
+
+        try:
+            comm = load_config_file(args.slipstream_config).comm
+        except ValueError as e:
+            raise ValueError(f"--slipstream-config: {e}") from None
+    from ...switch import enable
+
+    enable(comm)
+    backend = getattr(args, "distributed_backend", None)
+    if backend in (None, "gloo"):
+        args.distributed_backend = "slipstream"
+    elif backend == "nccl":
+        args.distributed_backend = "cpu:slipstream,cuda:nccl"
+    return True
+
+
+# ------------------------------------------------------------------ the check after set-up
+
+
+def install() -> None:
+    """Check the model-parallel groups once Megatron has made them. Idempotent."""
+    from megatron.core import parallel_state
+
+    original = parallel_state.initialize_model_parallel
+
+    @functools.wraps(original)
+    def initialize_model_parallel(*args, **kwargs):
+        result = original(*args, **kwargs)
+        _check_groups(parallel_state)
+        return result
+
+    patch(parallel_state, "initialize_model_parallel", initialize_model_parallel, owner=_OWNER)
+
+
+def uninstall() -> None:
+    import sys
+
+    parallel_state = sys.modules.get("megatron.core.parallel_state")
+    if parallel_state is not None:
+        restore_process_groups()
+        unpatch(parallel_state, "initialize_model_parallel")
+
+
+def _check_groups(parallel_state) -> None:
+    facts = {}
+    for field, group in (("tp", parallel_state.get_tensor_model_parallel_group(check_initialized=False)),
+                         ("dp", parallel_state.get_data_parallel_group())):
+        if group is None or dist.get_world_size(group) == 1:
+            continue
+        backend = dist.get_backend_config(group)
+        facts[field] = f"{dist.get_world_size(group)} ranks on {backend}"
+        if "slipstream" not in backend:
+            warn_once(f"Megatron's {field} group runs on {backend!r}: its collectives stay stock. Call "
+                      "slipstream.enable() before init_process_group (no backend named), or use "
+                      "slipstream.megatron.process_groups()")
+    note_stack("megatron", engaged=all("slipstream" in v for v in facts.values()) and bool(facts), **facts)
+
+
+# ------------------------------------------------------------------ groups on slipstream
+
+
+class _Twins:
+    """Slipstream groups of the same ranks as parallel_state's, made once per set of ranks."""
+
+    def __init__(self) -> None:
+        self.by_ranks: dict[tuple, dist.ProcessGroup] = {}
+
+    def of(self, group):
+        if group is None:
+            return None
+        ranks = tuple(dist.get_process_group_ranks(group))
+        twin = self.by_ranks.get(ranks)
+        if twin is None or twin not in dist.distributed_c10d._world.pg_map:  # none yet, or destroyed
+            self.by_ranks[ranks] = dist.new_group(list(ranks), backend="slipstream", use_local_synchronization=True)
+        return self.by_ranks[ranks]
+
+
+_TWINS = _Twins()
+
+
+def process_groups():
+    """A ``ProcessGroupCollection`` of parallel_state's groups on slipstream (collective over
+    each group's members), and parallel_state's getters for them answering the same twins
+    (reversible: ``restore_process_groups``). Needs ``initialize_model_parallel`` first."""
+    import slipstream  # noqa: F401 - registers the backend
+    from megatron.core import parallel_state
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    if not parallel_state.model_parallel_is_initialized():
+        raise RuntimeError("process_groups() needs parallel_state.initialize_model_parallel first")
+    twins = {}
+    for field, getter in _GETTERS.items():
+        original = getattr(parallel_state, getter)
+        original = getattr(original, "__wrapped__", original) if _patched(parallel_state, getter) else original
+        try:
+            group = original(check_initialized=False)
+        except TypeError:  # get_data_parallel_group takes no such argument
+            group = original()
+        twins[field] = _TWINS.of(group)  # made now, by every member alike
+
+        def answer(*args, _original=original, **kwargs):
+            # the twin of whatever group the getter names (other arguments: other groups)
+            return _TWINS.of(_original(*args, **kwargs))
+
+        patch(parallel_state, getter, functools.wraps(original)(answer), owner=_OWNER + "-groups")
+    collection = ProcessGroupCollection.use_mpu_process_groups()
+    for field, twin in twins.items():
+        if twin is not None:
+            setattr(collection, field, twin)
+    note_stack("megatron", engaged=True, groups="slipstream twins of parallel_state's (process_groups())")
+    return collection
+
+
+def _patched(target, name) -> bool:
+    from .._patch import is_patched
+
+    return is_patched(target, name)
+
+
+def restore_process_groups() -> None:
+    """Undo ``process_groups``' patch of parallel_state's getters (the twins stay alive)."""
+    import sys
+
+    parallel_state = sys.modules.get("megatron.core.parallel_state")
+    if parallel_state is None:
+        return
+    for getter in _GETTERS.values():
+        unpatch(parallel_state, getter)
