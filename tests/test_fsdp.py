@@ -3,26 +3,14 @@ the fast path taken, and ``remove`` restoring the stock comms."""
 
 from __future__ import annotations
 
-import io
-
 import pytest
 import torch
 import torch.distributed as dist
 
 from _adam import assert_close_through_adam
-from _dist import run_ranks
+from _dist import from_bytes as _load, run_ranks, to_bytes as _bytes
 
 pytest.importorskip("torch.distributed.fsdp")
-
-
-def _bytes(obj) -> bytes:
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getvalue()
-
-
-def _load(results):
-    return [torch.load(io.BytesIO(r)) for r in results]
 
 
 class Tiny(torch.nn.Module):
@@ -180,6 +168,24 @@ def test_the_accelerate_patches_install_and_uninstall_exactly():
     assert now() == before
 
 
+def _sgd_steps(model, rank, steps=3) -> list:
+    """``steps`` SGD steps on this rank's batches, counters reset first; the losses."""
+    from slipstream.core_comm import counters
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(rank)
+    counters.reset()
+    losses = []
+    for _ in range(steps):
+        ids = torch.randint(0, 50, (6, 5), generator=gen)
+        loss = torch.nn.functional.cross_entropy(model(ids).flatten(0, 1), ids.roll(1, 1).flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
 def _hsdp(rank, world, ours):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -195,17 +201,7 @@ def _hsdp(rank, world, ours):
     fully_shard(model, mesh=mesh)
     if ours:
         fsdp.apply(model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    gen = torch.Generator().manual_seed(rank)
-    counters.reset()
-    losses = []
-    for _ in range(3):
-        ids = torch.randint(0, 50, (6, 5), generator=gen)
-        loss = torch.nn.functional.cross_entropy(model(ids).flatten(0, 1), ids.roll(1, 1).flatten())
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses = _sgd_steps(model, rank)
     counts = counters.snapshot()
     weights = [p.full_tensor().detach() for p in model.parameters()]
     if ours:
@@ -239,17 +235,7 @@ def _fsdp1(rank, world, ours):
     model = FSDP(Tiny(False), device_id=torch.device("cpu"), use_orig_params=True)
     if ours:
         register(model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    gen = torch.Generator().manual_seed(rank)
-    counters.reset()
-    losses = []
-    for _ in range(3):
-        ids = torch.randint(0, 50, (6, 5), generator=gen)
-        loss = torch.nn.functional.cross_entropy(model(ids).flatten(0, 1), ids.roll(1, 1).flatten())
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses = _sgd_steps(model, rank)
     with FSDP.summon_full_params(model):
         weights = [p.detach().clone() for p in model.parameters()]
     return _bytes({"losses": losses, "weights": weights, "counts": counters.snapshot()})

@@ -4,26 +4,14 @@ argument provider, and groups for users who keep another backend."""
 from __future__ import annotations
 
 import argparse
-import io
-
 import pytest
 import torch
 import torch.distributed as dist
 
 import slipstream  # noqa: F401 - registers the backend (the ranks import this module)
-from _dist import run_ranks
+from _dist import from_bytes as _load, run_ranks, to_bytes as _bytes
 
 pytest.importorskip("megatron.core")
-
-
-def _bytes(obj) -> bytes:
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    return buf.getvalue()
-
-
-def _load(results):
-    return [torch.load(io.BytesIO(r)) for r in results]
 
 
 def _tp_step(rank, world, tp, collection=False):

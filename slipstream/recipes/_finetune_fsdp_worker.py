@@ -21,7 +21,7 @@ import torch.distributed as dist
 from ..core_comm import counters
 from ..core_compile import global_token_count, step_loss
 from ..plugins.fsdp.translate import grad_reduction
-from ._finetune_worker import _progress, _summary, load_samples, parse, step_micro_batches
+from ._finetune_worker import _progress, _summary, load_samples, parse, step_micro_batches, step_record
 from .data import pad_batch
 from .model import build_model
 from .tokenizer import load_tokenizer
@@ -166,12 +166,7 @@ def _train_step(model, opt, samples, step, args, rank, world, reduction, timer, 
         loss_sum += out.loss.detach()
     opt.step()
     opt.zero_grad()
-    elapsed = time.perf_counter() - t0
-    counts = torch.tensor([loss_sum.item(), sum(float(m["attention_mask"].sum()) for m in micro),
-                           sum(float(m["attention_mask"].numel()) for m in micro)], dtype=torch.float64)
-    dist.all_reduce(counts)
-    return {"loss": counts[0].item() / max(1, int(tokens)), "real_tokens": counts[1].item(),
-            "padded_tokens": counts[2].item(), "step_time_s": elapsed, "comm_time_s": timer.seconds}
+    return step_record(micro, loss_sum, tokens, time.perf_counter() - t0, timer.seconds)
 
 
 def main(argv=None) -> None:

@@ -178,12 +178,16 @@ def _train_step(engine, samples, step, args, rank, world, reduction, timer, toke
         engine.backward(loss)
         engine.step()
         loss_sum += out.loss.detach()
-    elapsed = time.perf_counter() - t0
+    return step_record(micro, loss_sum, tokens, time.perf_counter() - t0, timer.seconds)
+
+
+def step_record(micro, loss_sum, tokens, elapsed: float, comm_seconds: float) -> dict:
+    """A step's figures over every rank: loss per target token, real and padded tokens, times."""
     counts = torch.tensor([loss_sum.item(), sum(float(m["attention_mask"].sum()) for m in micro),
                            sum(float(m["attention_mask"].numel()) for m in micro)], dtype=torch.float64)
     dist.all_reduce(counts)
     return {"loss": counts[0].item() / max(1, int(tokens)), "real_tokens": counts[1].item(),
-            "padded_tokens": counts[2].item(), "step_time_s": elapsed, "comm_time_s": timer.seconds}
+            "padded_tokens": counts[2].item(), "step_time_s": elapsed, "comm_time_s": comm_seconds}
 
 
 def _progress(args):
