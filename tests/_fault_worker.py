@@ -104,6 +104,7 @@ def main(case: str) -> int:
             _call(op, x, world)
     except Exception as e:  # noqa: BLE001 - reported to the harness
         traceback.print_exc()
+        print(f"RAISED {time.time():.3f}", flush=True)
         print(f"ERROR {type(e).__name__}: {e}", flush=True)
         sys.exit(1)  # with the interpreter's teardown, as a script that raises has
     dist.destroy_process_group()
@@ -131,6 +132,7 @@ def _fsdp(victim: bool) -> int:
             opt.zero_grad()
     except Exception as e:  # noqa: BLE001 - reported to the harness
         traceback.print_exc()
+        print(f"RAISED {time.time():.3f}", flush=True)
         print(f"ERROR {type(e).__name__}: {e}", flush=True)
         sys.exit(1)
     return 0

@@ -92,7 +92,7 @@ def _check(res: dict, case: str, victim: int, cause: str, timeout_s: float = TIM
     slowest exit after the fault, as a multiple of the timeout."""
     survivors = [r for r in range(len(res["rc"])) if r != victim]
     assert res["fault"] is not None, f"{case}: the fault did not happen:\n" + "\n".join(res["out"])
-    slowest = 0.0
+    slowest = raised = 0.0
     for r in survivors:
         out = res["out"][r]
         assert r in res["ended"], f"{case}: rank {r} still running {90 + timeout_s:g} s after the fault:\n{out}"
@@ -101,12 +101,14 @@ def _check(res: dict, case: str, victim: int, cause: str, timeout_s: float = TIM
         assert errors, f"{case}: rank {r} did not report an error:\n{out}"
         assert re.search(cause, errors[0]), f"{case}: rank {r}'s error does not name the cause ({cause}):\n{errors[0]}"
         slowest = max(slowest, res["ended"][r] - res["fault"])
+        when = re.findall(r"^RAISED (\S+)$", out, re.M)
+        raised = max(raised, float(when[0]) - res["fault"]) if when else raised
     assert slowest <= 1.2 * timeout_s + MARGIN_S, f"{case}: slowest survivor exit {slowest:.1f} s after the fault"
     report = os.environ.get("SLIPSTREAM_FAULTS_REPORT")
     if report:
         with open(report, "a") as f:
             f.write(json.dumps({"case": case, "timeout_s": timeout_s, "slowest_s": round(slowest, 2),
-                                "ratio": round(slowest / timeout_s, 3)}) + "\n")
+                                "ratio": round(slowest / timeout_s, 3), "slowest_raise_s": round(raised, 2)}) + "\n")
     return slowest / timeout_s
 
 

@@ -51,6 +51,7 @@ __all__ = ["ShmComm", "ShmError", "SUPPORTED_DTYPES", "SUPPORTED_OPS", "is_suppo
 
 ReduceOp = dist.ReduceOp
 _MIN_SLEEP_S, _MAX_SLEEP_S = 50e-6, 1e-3  # a waiting rank's sleep, after its first 64 yields
+_CHECK_EVERY_S = 0.05  # how often a waiting rank looks for dead peers and its timeout
 
 
 def is_supported_platform() -> bool:
@@ -308,6 +309,7 @@ class ShmComm:
             return
         start = time.monotonic()
         spins = 0
+        next_check = _CHECK_EVERY_S
         while steps.min() < target:
             spins += 1
             # 4 ranks on 2 cores is common here: give the core to a peer that has work, and
@@ -323,8 +325,9 @@ class ShmComm:
             # (13% of a core, taken from the ranks still computing).
             waited = time.monotonic() - start
             time.sleep(_MIN_SLEEP_S if waited < 0.05 else min(_MAX_SLEEP_S, waited / 64))
-            if spins % 512 == 0:
+            if waited >= next_check:  # by time, not spins: a dead peer or the timeout is seen within 50 ms
                 self._check_progress(target, waited)
+                next_check = waited + _CHECK_EVERY_S
 
     def _check_progress(self, target: int, waited: float) -> None:
         late = [r for r in range(self.world) if self._steps[r] < target]
