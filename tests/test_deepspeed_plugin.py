@@ -199,7 +199,9 @@ def test_config_section_defaults_and_absence():
 def test_install_uninstall_round_trip_restores_deepspeed_initialize():
     from slipstream.plugins.deepspeed import install, uninstall
 
+    uninstall()  # the start-up hook may have installed it when DeepSpeed was imported
     original = deepspeed.initialize
+    assert not hasattr(original, "__slipstream_patch__")
     install()
     hooked = deepspeed.initialize
     install()  # idempotent

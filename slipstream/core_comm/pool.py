@@ -17,6 +17,7 @@ collectives (topology exchange, subgroups) never come back to the slipstream bac
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 from dataclasses import replace
@@ -35,13 +36,14 @@ log = logging.getLogger("slipstream.comm")
 class CommunicatorPool:
     """Communicators by process group (None: WORLD)."""
 
-    __slots__ = ("_comms", "_asked", "_warned", "_lock")
+    __slots__ = ("_comms", "_asked", "_warned", "_lock", "_exit_hook")
 
     def __init__(self) -> None:
         self._comms: dict = {}  # group -> Communicator
         self._asked: dict = {}  # group -> the config it was built for (a tuner plan may adjust it)
         self._warned: set = set()  # (group, config) pairs already warned about
         self._lock = threading.RLock()
+        self._exit_hook = False
 
     def get(self, group: dist.ProcessGroup | None = None, *, config: CommConfig | None = None,
             tuned: bool = False) -> Communicator:
@@ -56,6 +58,12 @@ class CommunicatorPool:
             if comm is None:
                 comm = self._comms[key] = _build(key, config, tuned)
                 self._asked[key] = config
+                if not self._exit_hook:
+                    # at exit, before torch's process groups are torn down: our worker threads
+                    # finish and our memory is released (a process that left them to the
+                    # interpreter's end died with SIGABRT, 2 runs in 6, after an FSDP job)
+                    atexit.register(self.close_all)
+                    self._exit_hook = True
                 from ..report import announce
 
                 announce()
