@@ -2,6 +2,7 @@
 ``OURS=1`` puts ``slipstream.enable()`` at the top, as a user would; otherwise it is stock
 accelerate (which runs DDP on CPU)."""
 import os
+import sys
 
 import torch
 
@@ -33,3 +34,9 @@ if acc.is_main_process:
     print("state", sorted(sd)[:2], float(sum(v.float().sum() for v in sd.values())))
     if os.environ.get("OURS") == "1":
         print("status", slipstream.status()["collectives"])
+
+# Leave without the interpreter's teardown: a torch 2.13 gloo job (stock DDP too) aborts at exit
+# with "terminate called without an active exception" in about 1 run of 5 on this machine,
+# which would fail the run for a reason that is not what the test compares.
+sys.stdout.flush()
+os._exit(0)

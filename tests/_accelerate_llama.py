@@ -1,6 +1,9 @@
 """An accelerate + FSDP2 script with nothing of slipstream in it, on padded variable-length
 batches (``test_stacks.py`` runs it with and without ``SLIPSTREAM_CONFIG``)."""
 
+import os
+import sys
+
 import torch
 from accelerate import Accelerator
 from accelerate.utils import FullyShardedDataParallelPlugin
@@ -28,3 +31,9 @@ for step in range(4):
 if accelerator.is_main_process:
     print("prepared", type(model).__name__)
     print("losses", losses)
+
+# Leave without the interpreter's teardown: a torch 2.13 gloo job (stock DDP too) aborts at exit
+# with "terminate called without an active exception" in about 1 run of 5 on this machine,
+# which would fail the run for a reason that is not what the test compares.
+sys.stdout.flush()
+os._exit(0)
