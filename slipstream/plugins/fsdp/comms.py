@@ -105,7 +105,7 @@ def apply(model: torch.nn.Module, config: CommConfig | None = None) -> list[str]
     FSDPModule, _, _ = _api()
     if config is not None and not isinstance(config, CommConfig):
         raise TypeError(f"config must be a CommConfig, got {type(config).__name__}")
-    gather_cls, scatter_cls = __getattr__("SlipstreamAllGather"), __getattr__("SlipstreamReduceScatter")
+    gather_cls, scatter_cls = _classes()
     switched = []
     found = False
     for name, module in model.named_modules():

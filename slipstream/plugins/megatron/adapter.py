@@ -28,7 +28,7 @@ import logging
 import torch.distributed as dist
 
 from ...report import note_stack, warn_once
-from .._patch import patch, unpatch
+from .._patch import is_patched, patch, unpatch
 
 __all__ = ["add_arguments", "chain", "initialize", "install", "process_groups", "restore_process_groups",
            "uninstall"]
@@ -167,7 +167,7 @@ def process_groups():
     twins = {}
     for field, getter in _GETTERS.items():
         original = getattr(parallel_state, getter)
-        original = getattr(original, "__wrapped__", original) if _patched(parallel_state, getter) else original
+        original = getattr(original, "__wrapped__", original) if is_patched(parallel_state, getter) else original
         try:
             group = original(check_initialized=False)
         except TypeError:  # get_data_parallel_group takes no such argument
@@ -185,12 +185,6 @@ def process_groups():
             setattr(collection, field, twin)
     note_stack("megatron", engaged=True, groups="slipstream twins of parallel_state's (process_groups())")
     return collection
-
-
-def _patched(target, name) -> bool:
-    from .._patch import is_patched
-
-    return is_patched(target, name)
 
 
 def restore_process_groups() -> None:
