@@ -112,5 +112,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from slipstream.cluster.worker import leave
+
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     main()
+    leave()

@@ -236,4 +236,7 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
+    from slipstream.cluster.worker import leave
+
     main()
+    leave()
