@@ -68,7 +68,8 @@ def status() -> dict:
     return {
         "version": __version__,
         "enabled": _SWITCH.before is not None,
-        "enabled_by": _SWITCH.source or ", ".join(f"{k} config" for k, v in stacks.items() if v.get("engaged")) or None,
+        "enabled_by": _SWITCH.source or ", ".join(v.get("by", f"{k} config") for k, v in stacks.items()
+                                                  if v.get("engaged")) or None,
         "autoload": _autoload(),
         "default_cpu_backend": dist.Backend.default_device_backend_map.get("cpu"),
         "world_backend": dist.get_backend_config() if dist.is_initialized() else None,
@@ -88,7 +89,7 @@ def line(st: dict | None = None) -> str:
         parts.append(f"world backend {st['world_backend']}")
     for name, facts in st["stacks"].items():
         parts.append(f"{name}: " + ", ".join(f"{k} {v}" if not isinstance(v, bool) else k
-                                             for k, v in facts.items() if v not in (False, None, "")))
+                                             for k, v in facts.items() if v not in (False, None, "") and k != "by"))
     for g in st["groups"]:
         what = "+".join(g["paths"]) if g["paths"] else f"stock ({g['stock_because']})"
         parts.append(f"group of {len(g['ranks'])} ranks on {g['nodes']} node(s): {what}")

@@ -55,6 +55,25 @@ def test_fsdp_stack_compare_matches_stock_fsdp2_with_its_collectives_through_the
         assert ours["comm_by_op"][op]["calls"] == stock["comm_by_op"][op]["calls"]
 
 
+@pytest.mark.netns
+def test_hsdp_compare_runs_stock_full_sharding_stock_hsdp_and_ours_on_two_nodes(tmp_path, capsys):
+    figures = tmp_path / "figures.json"
+    assert main(["finetune", "--stack", "fsdp", "--hsdp", "--compare", "--nodes", "2", "--nproc", "2", "--steps",
+                 "2", "--samples", "64", "--max-length", "96", "--batch-size", "2", "--output-dir",
+                 str(tmp_path / "run"), "--json", str(figures)]) == 0
+    stock, stock_hsdp, ours = json.loads(figures.read_text())
+    assert (stock["stack"], stock_hsdp["stack"], ours["stack"]) == ("fsdp2", "fsdp2-hsdp", "fsdp2-hsdp")
+    for other in (stock_hsdp, ours):  # the same training in fp32: only the reduction order differs
+        for a, b in zip(stock["losses"], other["losses"], strict=True):
+            assert abs(a - b) <= 1e-5 * abs(a)
+    assert stock["comm_paths"] == stock_hsdp["comm_paths"] == {}
+    assert set(ours["comm_paths"]["all_reduce"]) == {"hierarchical"}, ours["comm_paths"]  # the replicate all-reduce
+    for op in ("all_gather", "reduce_scatter"):  # inside a node
+        assert set(ours["comm_paths"][op]) <= {"shm", "cma"}, ours["comm_paths"]
+    table = capsys.readouterr().out
+    assert "vs FSDP2" in table and "vs HSDP" in table
+
+
 @pytest.mark.parametrize("args, message", [
     (["--stack", "fsdp", "--hsdp"], "--hsdp needs --nodes >= 2"),
     (["--hsdp"], "go with --stack fsdp"),

@@ -204,7 +204,13 @@ def _hsdp(rank, world, ours):
     losses = _sgd_steps(model, rank)
     counts = counters.snapshot()
     weights = [p.full_tensor().detach() for p in model.parameters()]
-    if ours:
+    if ours:  # the user can tell what slipstream did
+        import slipstream
+
+        st = slipstream.status()
+        assert st["enabled_by"] == "slipstream.fsdp.apply", st
+        assert st["stacks"]["fsdp"]["modules_through_the_core"] == 4, st
+        assert "hsdp_replicate_all_reduce through the core" in slipstream.report.line(st), st
         fsdp.remove(model)
         from torch.distributed.fsdp._fully_shard import _fsdp_collectives
 

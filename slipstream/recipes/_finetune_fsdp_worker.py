@@ -182,7 +182,7 @@ def main(argv=None) -> None:
     if int(os.environ.get("RANK", "0")) == 0:
         out = Path(args.output_dir)
         out.mkdir(parents=True, exist_ok=True)
-        (out / f"{args.impl}.json").write_text(json.dumps(summary, indent=2) + "\n")
+        (out / f"{args.impl}{'-hsdp' * args.hsdp}.json").write_text(json.dumps(summary, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -36,7 +36,8 @@ def add_arguments(p) -> None:
     p.add_argument("--stack", choices=tuple(WORKERS), default="deepspeed",
                    help="deepspeed: DeepSpeed ZeRO (default); fsdp: PyTorch FSDP2 (fully_shard per decoder layer)")
     p.add_argument("--hsdp", action="store_true",
-                   help="with --stack fsdp: a 2-D mesh, shard inside a node and replicate across nodes")
+                   help="with --stack fsdp: a 2-D mesh, shard inside a node and replicate across nodes "
+                        "(with --compare: stock full sharding, stock HSDP and slipstream HSDP)")
     p.add_argument("--no-varlen", action="store_true", help="with --stack fsdp: slipstream's collectives only")
     p.add_argument("--zero", type=int, choices=(1, 2, 3), default=2)
     p.add_argument("--batch-size", type=int, default=8, help="samples per rank per micro-step")
@@ -93,13 +94,12 @@ def validate(args) -> None:
 
 def run(args) -> int:
     validate(args)
-    impls = ["stock", "slipstream"] if args.compare else ["stock" if args.no_slipstream else "slipstream"]
     spec = ClusterSpec(nodes=args.nodes, ranks_per_node=args.nproc, link=args.link)
-    results = {impl: _launch(args, impl, spec) for impl in impls}
+    results = {key: _launch(args, impl, spec, hsdp) for key, impl, hsdp in _runs(args)}
     for r in results.values():
         _print_summary(r)
     if args.compare:
-        print(compare_table(results["stock"], results["slipstream"]))
+        print(compare_table(results["stock"], results["slipstream"], peer=results.get("stock-hsdp")))
         plot = Path(args.plot or Path(args.output_dir) / "compare.png")
         write_plot(results["stock"], results["slipstream"], plot)
         print(f"plot: {plot}")
@@ -108,15 +108,25 @@ def run(args) -> int:
     return 0
 
 
-def _launch(args, impl: str, spec: ClusterSpec) -> dict:
+def _runs(args) -> list[tuple[str, str, bool]]:
+    """(key, impl, hsdp) of each job to launch. HSDP is compared with stock full sharding, the
+    layout a stock user has, and with stock HSDP, the peer the same mesh gives without us."""
+    hsdp = bool(getattr(args, "hsdp", False))
+    if not args.compare:
+        impl = "stock" if args.no_slipstream else "slipstream"
+        return [(impl, impl, hsdp)]
+    return [("stock", "stock", False)] + [("stock-hsdp", "stock", True)] * hsdp + [("slipstream", "slipstream", hsdp)]
+
+
+def _launch(args, impl: str, spec: ClusterSpec, hsdp: bool = False) -> dict:
     argv = ["-m", WORKERS[getattr(args, "stack", "deepspeed")], "--impl", impl]
     if getattr(args, "stack", "deepspeed") == "fsdp":
-        argv += ["--hsdp"] * bool(args.hsdp) + ["--no-varlen"] * bool(args.no_varlen)
+        argv += ["--hsdp"] * hsdp + ["--no-varlen"] * bool(args.no_varlen)
     for flag, attr in _PASSED:
         value = getattr(args, attr)
         if value is not None:
             argv += [flag, str(value)]
-    out = Path(args.output_dir) / f"{impl}.json"
+    out = Path(args.output_dir) / f"{impl}{'-hsdp' * hsdp}.json"
     out.unlink(missing_ok=True)
     launch(argv, spec, timeout=args.timeout)
     return json.loads(out.read_text())
@@ -132,7 +142,13 @@ def _print_summary(r: dict) -> None:
     )
 
 
-def compare_table(stock: dict, ours: dict) -> str:
+def _stack_name(r: dict) -> str:
+    return {"fsdp2": "FSDP2", "fsdp2-hsdp": "HSDP"}.get(r.get("stack"), "DeepSpeed")
+
+
+def compare_table(stock: dict, ours: dict, peer: dict | None = None) -> str:
+    """Stock against slipstream (and a stock peer, e.g. stock HSDP, when given): each row's
+    figures and slipstream's ratio to each stock run (> 1 is better)."""
     diffs = [abs(a - b) / max(abs(a), 1e-12) for a, b in zip(stock["losses"], ours["losses"])]
     rows = [
         ("real tokens/s", "tokens_per_s", "{:.0f}"),
@@ -141,12 +157,18 @@ def compare_table(stock: dict, ours: dict) -> str:
         ("peak memory (MiB)", "peak_mem_mb", "{:.0f}"),
         ("final loss", "final_loss", "{:.6f}"),
     ]
-    stack = "FSDP2" if stock.get("stack") else "DeepSpeed"
-    lines = [f"| {'':20} | {stack:>12} | {'+ slipstream':>12} | {'ratio':>7} |", "|" + "---|" * 4]
+    bases = [stock] + ([peer] if peer is not None else [])
+    ours_name = "+ slipstream" if peer is None else f"{_stack_name(ours)} + slipstream"
+    heads = [f"{_stack_name(b):>12}" for b in bases] + [f"{ours_name:>12}"]
+    heads += ["ratio" if len(bases) == 1 else f"vs {_stack_name(b)}" for b in bases]
+    lines = [f"| {'':20} | " + " | ".join(f"{h:>9}" for h in heads) + " |", "|" + "---|" * (len(heads) + 1)]
     for label, key, fmt in rows:
-        a, b = stock[key], ours[key]
-        ratio = b / a if key == "tokens_per_s" else (a / b if b else float("nan"))
-        lines.append(f"| {label:20} | {fmt.format(a):>12} | {fmt.format(b):>12} | {ratio:>6.2f}x |")
+        cells = [fmt.format(r[key]) for r in bases + [ours]]
+        for b in bases:
+            a, o = b[key], ours[key]
+            ratio = o / a if key == "tokens_per_s" else (a / o if o else float("nan"))
+            cells.append(f"{ratio:.2f}x")
+        lines.append(f"| {label:20} | " + " | ".join(f"{c:>{max(9, len(h))}}" for c, h in zip(cells, heads)) + " |")
     lines.append(f"\nmax per-step relative loss difference: {max(diffs):.2e} over {len(diffs)} steps")
     return "\n".join(lines)
 
@@ -158,11 +180,12 @@ def write_plot(stock: dict, ours: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    for r, label in ((stock, "DeepSpeed"), (ours, "DeepSpeed + slipstream")):
+    base, mine = _stack_name(stock), _stack_name(ours)
+    for r, label in ((stock, base), (ours, f"{mine} + slipstream")):
         left.plot(range(1, len(r["losses"]) + 1), r["losses"], label=label, marker="o", markersize=3)
     left.set(xlabel="step", ylabel="loss", title="loss per step")
     left.legend()
-    bars = right.bar(["DeepSpeed", "+ slipstream"], [stock["tokens_per_s"], ours["tokens_per_s"]],
+    bars = right.bar([base, f"{mine} + slipstream" if mine != base else "+ slipstream"], [stock["tokens_per_s"], ours["tokens_per_s"]],
                      color=["#888888", "#2a7ab9"])
     right.bar_label(bars, fmt="%.0f")
     right.set(ylabel="real tokens / s", title=f"throughput ({ours['tokens_per_s'] / stock['tokens_per_s']:.2f}x)")

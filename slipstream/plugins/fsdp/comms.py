@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from ...core_comm import pool
 from ...core_comm.config import CommConfig
-from ...report import warn_once
+from ...report import note_stack, warn_once
 from .._patch import patch, unpatch
 
 __all__ = ["apply", "remove", "SlipstreamAllGather", "SlipstreamReduceScatter", "is_applied"]
@@ -132,6 +132,8 @@ def apply(model: torch.nn.Module, config: CommConfig | None = None) -> list[str]
         switched.append(label)
     if not found:
         raise ValueError(f"{type(model).__name__} has no FSDP2 module: call fully_shard on it (and its layers) first")
+    note_stack("fsdp", engaged=bool(switched), by="slipstream.fsdp.apply", modules_through_the_core=len(switched),
+               hsdp_replicate_all_reduce="through the core" if _HSDP.groups else None)
     return switched
 
 
