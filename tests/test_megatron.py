@@ -105,3 +105,160 @@ def test_the_argument_provider_parses_chains_and_refuses_bad_values(tmp_path):
         assert megatron.initialize(args) and args.distributed_backend == "cpu:slipstream,cuda:nccl"
     finally:
         slipstream.disable()
+    # --slipstream-varlen alone: the local attention takes packed sequences, no collective changes
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    stock = DotProductAttention.forward
+    assert "--slipstream-varlen" in parser.format_help()
+    try:
+        assert not megatron.initialize(parser.parse_args(["--slipstream-varlen"]))
+        assert DotProductAttention.forward is not stock and "packed (THD)" in slipstream.report.line()
+    finally:
+        megatron.disable_packed_attention()
+    assert DotProductAttention.forward is stock
+
+
+def _cpu_workarounds():
+    """Test-only: megatron-core 0.16 asks CUDA for two things a CPU run of GPTModel does not
+    need: the rotary embedding's device (``torch.cuda.current_device``) and the model-parallel
+    RNG fork around attention dropout (dropout is 0 here, so no RNG is drawn)."""
+    import contextlib
+
+    from megatron.core import tensor_parallel
+
+    torch.cuda.current_device = lambda: "cpu"
+    tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
+
+
+def _gpt(tp: int, spec):
+    import torch.nn.functional as F
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    cfg = TransformerConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                            ffn_hidden_size=128, tensor_model_parallel_size=tp, use_cpu_initialization=True,
+                            hidden_dropout=0.0, attention_dropout=0.0, normalization="RMSNorm",
+                            add_bias_linear=False, gated_linear_unit=True, activation_func=F.silu)
+    torch.manual_seed(0)
+    return GPTModel(cfg, transformer_layer_spec=spec, vocab_size=128, max_sequence_length=64,
+                    position_embedding_type="rope")
+
+
+def _gpt_batch():
+    lengths = torch.tensor([32, 9, 25, 3, 17])
+    g = torch.Generator().manual_seed(1)
+    tokens, labels = (torch.randint(0, 128, (5, 32), generator=g) for _ in range(2))
+    mask = (torch.arange(32)[None] < lengths[:, None]).long()  # right padding
+    return tokens, labels, mask
+
+
+def _loss_and_grads(model, **kwargs):
+    model.zero_grad()
+    loss_mask = kwargs.pop("loss_mask")
+    loss = (model(**kwargs) * loss_mask).sum()  # megatron returns the per-token loss
+    loss.backward()
+    return loss.detach(), torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+
+
+def _packed_gpt(rank, world, tp):
+    """A small GPTModel (rope, GQA, SwiGLU) at TP=``tp``: the padded batch, the same batch packed
+    (THD) through slipstream's attention, and the packed row without sequence boundaries."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from slipstream import megatron
+    from slipstream.core_comm import counters
+
+    _cpu_workarounds()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+    tokens, labels, mask = _gpt_batch()
+    b, s = tokens.shape
+    counters.reset()
+    model = _gpt(tp, megatron.local_spec())
+    causal = torch.triu(torch.ones(s, s, dtype=torch.bool), 1)[None, None]  # True: masked
+    out = {"padded": _loss_and_grads(model, input_ids=tokens, position_ids=torch.arange(s).expand(b, s),
+                                     attention_mask=causal, labels=labels, loss_mask=mask)}
+    packed = megatron.pack_batch(tokens, labels, mask)
+    out["packed"] = _loss_and_grads(model, **packed, attention_mask=None)
+    t = packed["input_ids"].shape[1]
+    out["naive"] = _loss_and_grads(model, input_ids=packed["input_ids"], position_ids=torch.arange(t)[None],
+                                   attention_mask=torch.triu(torch.ones(t, t, dtype=torch.bool), 1)[None, None],
+                                   labels=packed["labels"], loss_mask=packed["loss_mask"])
+    out["counts"] = counters.snapshot()
+    # the stock class, patched (what --slipstream-varlen does), then restored
+    stock = _gpt(tp, get_gpt_layer_local_spec())
+    megatron.enable_packed_attention()
+    megatron.enable_packed_attention()  # idempotent
+    try:
+        out["patched"] = _loss_and_grads(stock, **packed, attention_mask=None)
+    finally:
+        megatron.disable_packed_attention()
+    try:
+        _loss_and_grads(stock, **packed, attention_mask=None)
+        out["restored"] = "accepted packed sequences"
+    except AssertionError as e:
+        out["restored"] = str(e)
+    parallel_state.destroy_model_parallel()
+    return _bytes(out)
+
+
+def test_packed_sequences_through_the_local_attention_equal_the_padded_gpt_at_tp2_on_slipstream_and_gloo():
+    env = [{"SLIPSTREAM_NODE": "0"}] * 2
+    stock = _load(run_ranks(_packed_gpt, 2, 2, rank_env=env, timeout=300))
+    ours = _load(run_ranks(_packed_gpt, 2, 2, rank_env=env, backend="slipstream", timeout=300))
+    for s, o in zip(stock, ours):
+        for case in ("padded", "packed"):  # TP sums of two partials: bit-equal across backends
+            assert torch.equal(o[case][0], s[case][0]) and torch.equal(o[case][1], s[case][1]), case
+        assert set(o["counts"]["all_reduce"]) & {"shm", "cma"}, o["counts"]
+        (padded, g_padded), (packed, g_packed), (naive, _) = o["padded"], o["packed"], o["naive"]
+        # per-sequence attention against the batched masked one: fp32 rounding of the same sums
+        torch.testing.assert_close(packed, padded, rtol=1e-5, atol=0)
+        torch.testing.assert_close(g_packed, g_padded, rtol=1e-4, atol=1e-6)
+        # without the boundaries the loss is off by far more than that tolerance: the test can fail
+        assert abs(naive - padded) > 10 * 1e-5 * abs(padded), (naive, padded, packed)
+        assert torch.equal(o["patched"][0], packed) and torch.equal(o["patched"][1], g_packed)
+        assert "Packed sequence is not supported" in o["restored"], o["restored"]
+
+
+def _refusals(rank, world):
+    from dataclasses import replace
+
+    from megatron.core import parallel_state
+
+    from slipstream import megatron
+
+    _cpu_workarounds()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
+    model = _gpt(1, megatron.local_spec())
+    tokens, labels, mask = _gpt_batch()
+    packed = megatron.pack_batch(tokens, labels, mask)
+    good = packed["packed_seq_params"]
+    cu = good.cu_seqlens_q
+    bad = {"sbhd": replace(good, qkv_format="sbhd"), "cross": replace(good, cu_seqlens_kv=cu[[0, -1]]),
+           "padded": replace(good, cu_seqlens_q_padded=cu * 2)}
+    errors = {}
+    attention = model.decoder.layers[0].self_attention.core_attention
+    q, kv = torch.randn(cu[-1].item(), 4, 16), torch.randn(cu[-1].item(), 2, 16)  # 4 heads, 2 groups
+    bad["short"] = replace(good, cu_seqlens_q=cu[:-1], cu_seqlens_kv=cu[:-1])  # offsets short of the tokens
+    for name, params in bad.items():
+        try:
+            megatron.packed_attention(attention, q, kv, kv, None, None, params)
+            errors[name] = None
+        except (NotImplementedError, ValueError) as e:
+            errors[name] = str(e)
+    assert megatron.packed_attention(attention, q, kv, kv, None, None, good).shape == (q.shape[0], 64)
+    try:
+        megatron.pack_batch(tokens, labels[:, :-1], mask)
+    except ValueError as e:
+        errors["shapes"] = str(e)
+    parallel_state.destroy_model_parallel()
+    return errors
+
+
+def test_packed_attention_refuses_what_it_does_not_compute_by_name():
+    (errors,) = run_ranks(_refusals, 1, timeout=120)
+    assert "qkv_format 'sbhd'" in errors["sbhd"]
+    assert "cross attention" in errors["cross"]
+    assert "cu_seqlens_q_padded differs" in errors["padded"]
+    assert "covers" in errors["short"] and "tokens" in errors["short"]
+    assert "pack_batch takes (batch, seq) tensors of one shape" in errors["shapes"]

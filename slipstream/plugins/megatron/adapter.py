@@ -9,7 +9,8 @@ Three ways in, for the three ways Megatron users start:
   ``enable()``) checks once, after ``initialize_model_parallel``, that the groups are on
   slipstream, and warns naming the group when one is not.
 - Megatron-LM users: ``add_arguments`` as (or chained into) ``extra_args_provider`` adds
-  ``--slipstream`` and ``--slipstream-config PATH``; ``initialize(args)`` acts on them before
+  ``--slipstream``, ``--slipstream-varlen`` (packed sequences for the local attention, see
+  ``packed.py``) and ``--slipstream-config PATH``; ``initialize(args)`` acts on them before
   Megatron initialises torch.distributed (the backend Megatron-LM names becomes
   ``slipstream`` for CPU tensors; CUDA keeps NCCL).
 - users who keep another default backend: ``process_groups()`` returns a
@@ -49,6 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group = parser.add_argument_group(title="slipstream")
     group.add_argument("--slipstream", action="store_true",
                        help="route CPU collectives of every Megatron group through slipstream")
+    group.add_argument("--slipstream-varlen", action="store_true",
+                       help="let the local DotProductAttention take packed (THD) sequences, computed per "
+                            "sequence (Transformer Engine's attention takes them already)")
     group.add_argument("--slipstream-config", metavar="PATH", default=None,
                        help="JSON or YAML file of slipstream's settings (the DeepSpeed section's format)")
     return parser
@@ -67,6 +71,12 @@ def chain(*providers):
 def initialize(args: argparse.Namespace) -> bool:
     """Act on the parsed flags before Megatron initialises torch.distributed. Returns whether
     slipstream is on. A bad ``--slipstream-config`` is refused naming the flag and the file."""
+    if getattr(args, "slipstream_varlen", False):  # compute only: it needs no collective
+        from .packed import enable_packed_attention
+
+        enable_packed_attention()
+        note_stack("megatron-varlen", engaged=True, by="--slipstream-varlen",
+                   local_attention="takes packed (THD) sequences")
     if not getattr(args, "slipstream", False):
         if getattr(args, "slipstream_config", None):
             raise ValueError("--slipstream-config needs --slipstream")
@@ -111,10 +121,13 @@ def install() -> None:
 def uninstall() -> None:
     import sys
 
+    from .packed import disable_packed_attention
+
     parallel_state = sys.modules.get("megatron.core.parallel_state")
     if parallel_state is not None:
         restore_process_groups()
         unpatch(parallel_state, "initialize_model_parallel")
+    disable_packed_attention()
 
 
 def _check_groups(parallel_state) -> None:

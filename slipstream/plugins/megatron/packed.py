@@ -1,0 +1,186 @@
+"""Packed (THD) sequences for megatron-core's local attention.
+
+megatron-core passes ``PackedSeqParams`` (``qkv_format="thd"``, ``cu_seqlens``) only to
+Transformer Engine's attention; its local ``DotProductAttention`` refuses them, so a user
+without Transformer Engine cannot train on packed sequences. This module gives the local spec
+an attention that accepts them and computes attention inside each sequence with the kernel
+``slipstream.core_compile`` picks (exact SDPA per sequence on CPU; flash-attn varlen, then
+torch's varlen kernel, on CUDA in fp16/bf16):
+
+- ``PackedDotProductAttention``: ``DotProductAttention`` that also takes ``packed_seq_params``;
+  padded (SBHD) calls are the stock code. ``local_spec(...)``: megatron's
+  ``get_gpt_layer_local_spec`` with it as the core attention.
+- ``enable_packed_attention()`` / ``disable_packed_attention()``: the same on the stock class
+  (what ``--slipstream-varlen`` does for Megatron-LM's own specs): a reversible patch.
+- ``pack_batch(...)``: the collate step, a padded batch to packed tokens + ``PackedSeqParams``.
+
+What the THD path refuses, by name, rather than compute something else: another
+``qkv_format``, different query and key offsets (cross attention), padded offsets that differ
+from the real ones (context parallelism: Transformer Engine's), attention bias, a softmax
+offset, sliding windows and non-causal masks.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ...core_compile.attention import VarlenContext, varlen_attention
+from ...core_compile.packing import PackedBatch
+from .._patch import is_patched, patch, unpatch
+
+__all__ = ["PackedDotProductAttention", "disable_packed_attention", "enable_packed_attention", "local_spec",
+           "pack_batch", "packed_attention"]
+
+_OWNER = "megatron-varlen"
+
+
+def packed_attention(module, query, key, value, attn_mask_type, attention_bias, packed_seq_params,
+                     backend: str = "auto") -> torch.Tensor:
+    """Causal attention inside each packed sequence, for a ``DotProductAttention`` ``module``.
+
+    ``query``: ``(t, heads, head_dim)``, ``key``/``value``: ``(t, groups, head_dim)`` (megatron
+    squeezes the batch dimension of THD inputs). Returns ``(t, heads * head_dim)``."""
+    _check(module, query, attn_mask_type, attention_bias, packed_seq_params)
+    packed = PackedBatch.from_cu_seqlens(packed_seq_params.cu_seqlens_q)
+    if packed.total_tokens != query.shape[0]:
+        raise ValueError(f"packed_seq_params.cu_seqlens_q covers {packed.total_tokens} tokens; the query has "
+                         f"{query.shape[0]}")
+    config = module.config
+    # megatron divides softmax_scale by the layer number under apply_query_key_layer_scaling and
+    # multiplies the scores back in its softmax: the product is the scale attention uses
+    scale = module.softmax_scale * (module.layer_number if config.apply_query_key_layer_scaling else 1)
+    dropout = module.attention_dropout.p if module.training else 0.0
+    q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (query, key, value))  # (1, heads, t, head_dim)
+    ctx = VarlenContext(packed=packed, backend=backend)
+    if dropout > 0 and not config.sequence_parallel:  # the stock layer's RNG for attention dropout
+        from megatron.core import tensor_parallel
+
+        with tensor_parallel.get_cuda_rng_tracker().fork():
+            out = varlen_attention(q, k, v, ctx, scaling=scale, dropout=dropout)
+    else:
+        out = varlen_attention(q, k, v, ctx, scaling=scale, dropout=dropout)
+    return out[0].reshape(query.shape[0], -1)  # (1, t, heads, head_dim) -> (t, heads * head_dim)
+
+
+def _check(module, query, attn_mask_type, attention_bias, params) -> None:
+    from megatron.core.transformer.enums import AttnMaskType
+
+    def refuse(what: str) -> None:
+        raise NotImplementedError(f"slipstream's packed attention (layer {module.layer_number}): {what}")
+
+    if params.qkv_format != "thd":
+        refuse(f"qkv_format {params.qkv_format!r}; it takes 'thd'")
+    if query.dim() != 3:
+        refuse(f"expects THD query (tokens, heads, head_dim), got shape {tuple(query.shape)}")
+    q, kv = params.cu_seqlens_q, params.cu_seqlens_kv
+    if q is None:
+        refuse("packed_seq_params.cu_seqlens_q is None")
+    if kv is not None and kv is not q and not torch.equal(kv, q):
+        refuse("cu_seqlens_kv differs from cu_seqlens_q (cross attention)")
+    for name in ("cu_seqlens_q_padded", "cu_seqlens_kv_padded"):
+        padded = getattr(params, name)
+        if padded is not None and padded is not q and not torch.equal(padded, q):
+            refuse(f"{name} differs from cu_seqlens_q (padded THD, as context parallelism uses: "
+                   "Transformer Engine's attention)")
+    if attention_bias is not None:
+        refuse("attention bias")
+    if getattr(module, "softmax_offset", None) is not None:
+        refuse(f"softmax_type {module.config.softmax_type!r}")
+    if getattr(module.scale_mask_softmax, "window_size", None) is not None:
+        refuse("sliding-window attention")
+    mask_type = attn_mask_type if attn_mask_type is not None else module.attn_mask_type
+    if mask_type not in (AttnMaskType.causal, AttnMaskType.padding_causal):
+        refuse(f"mask type {mask_type.name}; packed sequences here are causal")
+
+
+@functools.cache
+def _packed_class():
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class PackedDotProductAttention(DotProductAttention):
+        """megatron-core's local ``DotProductAttention`` that also takes packed (THD) sequences
+        (``packed_seq_params``), computed per sequence; padded calls are the stock code."""
+
+        def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                    packed_seq_params=None):
+            if packed_seq_params is None:
+                return super().forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
+                                       attention_bias=attention_bias)
+            return packed_attention(self, query, key, value, attn_mask_type, attention_bias, packed_seq_params)
+
+    PackedDotProductAttention.__module__ = __name__
+    return PackedDotProductAttention
+
+
+def __getattr__(name: str):
+    if name == "PackedDotProductAttention":  # built on first use: megatron-core is optional
+        return _packed_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def local_spec(*args, **kwargs):
+    """``get_gpt_layer_local_spec(*args, **kwargs)`` with ``PackedDotProductAttention``."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    spec = get_gpt_layer_local_spec(*args, **kwargs)
+    attention = spec.submodules.self_attention
+    attention.submodules.core_attention = _packed_class()
+    return spec
+
+
+def enable_packed_attention() -> None:
+    """Let the stock local ``DotProductAttention`` take packed sequences (every instance, every
+    spec). Idempotent; ``disable_packed_attention`` undoes it exactly."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    if is_patched(DotProductAttention, "forward"):
+        return
+    stock = DotProductAttention.forward
+
+    @functools.wraps(stock)
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        if packed_seq_params is None:
+            return stock(self, query, key, value, attention_mask, attn_mask_type=attn_mask_type,
+                         attention_bias=attention_bias)
+        return packed_attention(self, query, key, value, attn_mask_type, attention_bias, packed_seq_params)
+
+    patch(DotProductAttention, "forward", forward, owner=_OWNER)
+
+
+def disable_packed_attention() -> None:
+    import sys
+
+    module = sys.modules.get("megatron.core.transformer.dot_product_attention")
+    if module is not None:
+        unpatch(module.DotProductAttention, "forward")
+
+
+def pack_batch(tokens: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor,
+               loss_mask: torch.Tensor | None = None) -> dict:
+    """A padded batch as one packed row for a megatron-core GPT with packed attention.
+
+    ``tokens``, ``labels``, ``attention_mask`` (nonzero at real tokens, each row's real tokens
+    contiguous, any padding side) and optional ``loss_mask``: ``(batch, seq)``. Returns
+    ``input_ids``, ``labels``, ``loss_mask`` and ``position_ids`` of shape ``(1, t)`` (positions
+    restart at 0 in each sequence) and ``packed_seq_params`` (THD, int32 offsets), the
+    arguments ``GPTModel.forward`` takes; ``t`` is the number of real tokens."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    shapes = {name: tuple(t.shape) for name, t in (("tokens", tokens), ("labels", labels),
+                                                   ("attention_mask", attention_mask)) if t is not None}
+    if loss_mask is not None:
+        shapes["loss_mask"] = tuple(loss_mask.shape)
+    if len(set(shapes.values())) != 1 or len(shapes["tokens"]) != 2:
+        raise ValueError(f"pack_batch takes (batch, seq) tensors of one shape, got {shapes}")
+    packed = PackedBatch.from_attention_mask(attention_mask)
+    if loss_mask is None:
+        loss_mask = attention_mask
+    cu = packed.cu_seqlens.to(tokens.device)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                             max_seqlen_q=packed.max_seqlen, max_seqlen_kv=packed.max_seqlen)
+    return {"input_ids": packed.unpad(tokens), "labels": packed.unpad(labels),
+            "loss_mask": packed.unpad(loss_mask).float(), "position_ids": packed.position_ids.to(tokens.device),
+            "packed_seq_params": params}
