@@ -65,14 +65,16 @@ def status() -> dict:
     with _STATE.lock:
         stacks = {k: dict(v) for k, v in _STATE.stacks.items()}
         warnings = list(_STATE.warnings)
+    world = dist.get_backend_config() if dist.is_initialized() else None
+    named = "slipstream named as the backend" if world and "slipstream" in world else None
     return {
         "version": __version__,
         "enabled": _SWITCH.before is not None,
         "enabled_by": _SWITCH.source or ", ".join(v.get("by", f"{k} config") for k, v in stacks.items()
-                                                  if v.get("engaged")) or None,
+                                                  if v.get("engaged")) or named,
         "autoload": _autoload(),
         "default_cpu_backend": dist.Backend.default_device_backend_map.get("cpu"),
-        "world_backend": dist.get_backend_config() if dist.is_initialized() else None,
+        "world_backend": world,
         "stacks": stacks,
         "groups": groups,
         "collectives": counters.snapshot(),

@@ -182,6 +182,7 @@ def test_status_names_the_groups_paths_and_the_routed_collectives():
         assert set(st["collectives"]["all_reduce"]) == {"shm"} and "all_gather" in st["collectives"]
         assert "broadcast" not in st["collectives"]  # stock calls that never reach the core are not counted
         assert "group of 2 ranks on 1 node(s): shm" in text and "all_reduce:shm" in text
+        assert st["enabled_by"] == "slipstream named as the backend" and ": on (" in text  # no enable() call
 
 
 @needs_hook
