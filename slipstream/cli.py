@@ -16,7 +16,8 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("bench", "varlen"): ("slipstream.bench.varlen", "one training step: padded vs varlen"),
     ("bench", "ddp"): ("slipstream.bench.ddp", "DDP training: slipstream backend vs gloo"),
     ("bench", "transport"): ("slipstream.bench.transport", "inter-node transport: K connections vs 1"),
-    ("finetune",): ("slipstream.recipes.finetune", "fine-tune a causal LM with DeepSpeed ZeRO (+ slipstream)"),
+    ("bench", "megatron"): ("slipstream.bench.megatron", "megatron-core GPT: gloo vs slipstream, padded vs packed"),
+    ("finetune",): ("slipstream.recipes.finetune", "fine-tune a causal LM with DeepSpeed ZeRO or FSDP2 (+ slipstream)"),
     ("tune",): ("slipstream.commands.tune", "measure and cache the best algorithm per size"),
     ("env",): ("slipstream.commands.env", "this machine: topology, fast paths, tuned plan, versions"),
 }

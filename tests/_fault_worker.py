@@ -13,6 +13,9 @@ Cases, from the victim's side (every other rank keeps calling ``FAULT_OP`` on a 
     mismatch        calls its 4th collective with a different size
     other_call      calls a broadcast where the others call ``FAULT_OP``
     fsdp            FSDP2 training through ``slipstream.fsdp.apply``: exits 50 ms into step 4
+    megatron        megatron-core TP=2 x DP layers (column- then row-parallel, gradients averaged
+                    over the data-parallel group): exits 50 ms into step 4, inside the TP
+                    all-reduces
 
 Each rank prints ``FAULT <unix time>`` just before its fault (or mismatched call), and a rank
 whose collective raises prints ``ERROR <type>: <message>`` and exits 1. A rank that completes
@@ -83,6 +86,8 @@ def main(case: str) -> int:
         _die_holding_a_segment()
     if case == "fsdp":
         return _fsdp(victim)
+    if case == "megatron":
+        return _megatron(victim)
     x = torch.ones(N)
     try:
         for i in range(CALLS):
@@ -108,6 +113,35 @@ def main(case: str) -> int:
         print(f"ERROR {type(e).__name__}: {e}", flush=True)
         sys.exit(1)  # with the interpreter's teardown, as a script that raises has
     dist.destroy_process_group()
+    return 0
+
+
+def _megatron(victim: bool) -> int:
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.model_parallel_config import ModelParallelConfig
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
+    cfg = ModelParallelConfig(tensor_model_parallel_size=2, use_cpu_initialization=True)
+    init = lambda w: torch.nn.init.normal_(w, std=0.02)  # noqa: E731
+    col = tensor_parallel.ColumnParallelLinear(512, 2048, config=cfg, init_method=init, bias=True, gather_output=False)
+    row = tensor_parallel.RowParallelLinear(2048, 512, config=cfg, init_method=init, bias=True, input_is_parallel=True,
+                                            skip_bias_add=False)
+    dp = parallel_state.get_data_parallel_group()
+    try:
+        for step in range(200):
+            if victim and step == 3:
+                threading.Timer(0.05, _fault_now_and_exit).start()
+            for _ in range(20):  # forward all-reduces of the row-parallel layer, then its backward's
+                h, _ = col(torch.randn(64, 4, 512))
+                y, _ = row(torch.nn.functional.gelu(h))
+                y.pow(2).mean().backward()
+            grads = torch.cat([p.grad.reshape(-1) for p in (*col.parameters(), *row.parameters())])
+            dist.all_reduce(grads, group=dp)
+    except Exception as e:  # noqa: BLE001 - reported to the harness
+        traceback.print_exc()
+        print(f"RAISED {time.time():.3f}", flush=True)
+        print(f"ERROR {type(e).__name__}: {e}", flush=True)
+        sys.exit(1)
     return 0
 
 

@@ -136,12 +136,16 @@ CASES = [
     ("other_call", 1, 1, "all_reduce", {}, TIMED + "|" + DIED),
     ("fsdp", 1, 1, "all_gather", {}, DIED),
     ("fsdp", 2, 3, "all_gather", {"SLIPSTREAM_CONNECTIONS": "2"}, DIED),
+    ("megatron", 1, 1, "all_reduce", {}, DIED),  # TP=2
+    ("megatron", 2, 1, "all_reduce", {"SLIPSTREAM_CONNECTIONS": "2"}, DIED),  # TP=2 in each node x DP=2 across
 ]
 
 
 @pytest.mark.parametrize("case,nodes,victim,op,env,cause", CASES,
                          ids=[f"{c[0]}-{c[1]}node-r{c[2]}-{c[3]}{'-' + '-'.join(c[4]) if c[4] else ''}" for c in CASES])
 def test_survivors_exit_within_the_timeout_naming_the_cause(tmp_path, case, nodes, victim, op, env, cause):
+    if case == "megatron":
+        pytest.importorskip("megatron.core")
     res = run_case(tmp_path, case, nodes=nodes, victim=victim, op=op, env=env)
     _check(res, case, victim, cause)
 

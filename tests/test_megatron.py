@@ -1,9 +1,11 @@
 """The Megatron-core adapter: tensor- and data-parallel layers on slipstream against gloo, the
-argument provider, and groups for users who keep another backend."""
+argument provider, groups for users who keep another backend, packed (THD) sequences on the
+local attention against the padded GPT, and ``slipstream bench megatron``."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import pytest
 import torch
 import torch.distributed as dist
@@ -119,15 +121,10 @@ def test_the_argument_provider_parses_chains_and_refuses_bad_values(tmp_path):
 
 
 def _cpu_workarounds():
-    """Test-only: megatron-core 0.16 asks CUDA for two things a CPU run of GPTModel does not
-    need: the rotary embedding's device (``torch.cuda.current_device``) and the model-parallel
-    RNG fork around attention dropout (dropout is 0 here, so no RNG is drawn)."""
-    import contextlib
+    """megatron-core 0.16 on CPU, in the ranks only: what the bench does and prints."""
+    from slipstream.bench._megatron_worker import cpu_workarounds
 
-    from megatron.core import tensor_parallel
-
-    torch.cuda.current_device = lambda: "cpu"
-    tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
+    cpu_workarounds()
 
 
 def _gpt(tp: int, spec):
@@ -262,3 +259,32 @@ def test_packed_attention_refuses_what_it_does_not_compute_by_name():
     assert "cu_seqlens_q_padded differs" in errors["padded"]
     assert "covers" in errors["short"] and "tokens" in errors["short"]
     assert "pack_batch takes (batch, seq) tensors of one shape" in errors["shapes"]
+
+
+def test_bench_megatron_runs_gloo_and_slipstream_padded_and_packed_with_equal_losses(tmp_path):
+    """``slipstream bench megatron`` end to end on one node: a GPT at TP=2 trained with
+    Megatron's DDP across the two TP pairs (TP=2 x DP=2 on one node), three jobs."""
+    from slipstream.cli import main
+
+    figures = tmp_path / "records.json"
+    assert main(["bench", "megatron", "--layout", "1x4", "--tp", "2", "--samples", "64", "--max-length", "256",
+                 "--batch", "4", "--steps", "2", "--warmup", "1", "--hidden", "64", "--layers", "2", "--heads", "4",
+                 "--json", str(figures)]) == 0
+    (record,) = json.loads(figures.read_text())
+    stock, padded, packed = record["jobs"]
+    assert (stock["backend"], padded["backend"], packed["backend"]) == ("gloo", "slipstream", "slipstream")
+    assert not stock["packed"] and not padded["packed"] and packed["packed"]
+    assert stock["comm_paths"] == {} and "cpu:slipstream" in padded["world_backend"]
+    assert set(padded["comm_paths"]["all_reduce"]) & {"shm", "cma"}, padded["comm_paths"]  # the TP all-reduces
+    # Megatron DDP's bucket all-reduce across the TP pairs, issued in torch's coalescing manager
+    assert set(padded["comm_paths"]["all_reduce_coalesced"]) & {"shm", "cma"}, padded["comm_paths"]
+    # same data, same seed: the packed model computes the padded one's losses
+    assert padded["max_rel_loss_diff"] <= 1e-6 and packed["max_rel_loss_diff"] <= 1e-5, record
+    assert packed["padding_removed"] > 0.1
+
+
+def test_bench_megatron_refuses_a_tp_that_crosses_nodes():
+    from slipstream.cli import main
+
+    with pytest.raises(SystemExit, match="--tp 4: must divide the ranks per node"):
+        main(["bench", "megatron", "--layout", "2x2@1gbit", "--tp", "4"])

@@ -219,3 +219,43 @@ def test_slipstream_config_alone_runs_accelerate_fsdp2_with_varlen_and_stock_los
     assert "FSDP" in re.search(r"^prepared (\S+)", ours.stdout, re.M).group(1)
     assert re.search(r"^prepared (\S+)", stock.stdout, re.M).group(1) == "DistributedDataParallel"
     assert _losses(ours) == pytest.approx(_losses(stock), rel=1e-5)
+
+
+def _accelerate_launch(tmp_path, yaml: str, *extra: str, **env) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", os.path.join(ROOT, "configs", yaml),
+           "--main_process_port", str(free_port()), *extra, os.path.join(ROOT, "examples", "accelerate_fsdp.py")]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path, env=_env(**env))
+    if out.returncode != 0 and _finished_then_aborted(out):
+        warnings.warn(f"accelerate launch {yaml}: finished, then a rank aborted at exit (torch's gloo teardown)")
+    else:
+        assert out.returncode == 0, f"accelerate launch {yaml} failed:\n{out.stdout[-3000:]}\n{out.stderr[-5000:]}"
+    return out
+
+
+@needs_hook
+@pytest.mark.parametrize("yaml, extra, ranks", [("accelerate_fsdp2.yaml", (), 2),
+                                                ("accelerate_hsdp.yaml", ("--num_machines", "1"), 4)],
+                         ids=["fsdp2", "hsdp-on-one-machine"])
+def test_the_ready_accelerate_configs_work_with_accelerate_launch_as_they_are(tmp_path, yaml, extra, ranks):
+    """``accelerate launch --config_file configs/X.yaml`` on the unchanged example script. On
+    this machine without a GPU, stock accelerate gives each process DistributedType.NO (each
+    trains alone); with SLIPSTREAM=1 they run as one FSDP2 job through slipstream, with the
+    losses of the same script as one multi-process CPU job under torchrun (accelerate's DDP)."""
+    pytest.importorskip("accelerate")
+    script = os.path.join(ROOT, "examples", "accelerate_fsdp.py")
+    ours = _accelerate_launch(tmp_path, yaml, *extra, SLIPSTREAM="1")
+    line = _start_line(ours)
+    assert line and "accelerate: engaged" in line and "fsdp_version 2" in line, line
+    if "hsdp" in yaml:  # the 2-D mesh: its replicate all-reduce through slipstream too
+        assert "hsdp_replicate_all_reduce through the core" in line, line
+    assert re.search(r"^distributed_type (DistributedType\.)?FSDP model FSDP", ours.stdout, re.M), ours.stdout[-2000:]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-port",
+           str(free_port()), script]
+    ddp = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                         env=_env(ACCELERATE_USE_CPU="true"))
+    assert ddp.returncode == 0 or _finished_then_aborted(ddp), ddp.stderr[-4000:]
+    assert re.search(r"^distributed_type (DistributedType\.)?MULTI_CPU model DistributedDataParallel", ddp.stdout, re.M)
+    assert _losses(ours) == pytest.approx(_losses(ddp), rel=1e-5)
+    if ranks == 2:  # what stock accelerate launch does with the same YAML here
+        alone = _accelerate_launch(tmp_path, yaml, *extra)
+        assert re.search(r"^distributed_type (DistributedType\.)?NO ", alone.stdout, re.M), alone.stdout[-2000:]

@@ -130,8 +130,14 @@ def train(args) -> dict:
 
 
 def _time_comms(model, timer: _Timed) -> None:
-    """Time the all-gather / reduce-scatter objects of every FSDP param group, stock or ours."""
+    """Time the all-gather / reduce-scatter objects of every FSDP param group, stock or ours,
+    and HSDP's all-reduce across replicas (a plain ``dist.all_reduce`` in FSDP2's collectives
+    module: whatever ``dist`` that module holds, torch's or slipstream's view, is timed)."""
     from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp._fully_shard import _fsdp_collectives
+
+    _fsdp_collectives.dist = _TimedComm(_fsdp_collectives.dist, timer.wrap("all_reduce",
+                                                                             _fsdp_collectives.dist.all_reduce))
 
     for module in model.modules():
         if isinstance(module, FSDPModule):
@@ -142,10 +148,15 @@ def _time_comms(model, timer: _Timed) -> None:
 
 
 class _TimedComm:
+    """``comm`` with its call (a comm object) or its ``all_reduce`` (a module) timed."""
+
     def __init__(self, comm, call) -> None:
         self._comm, self._call = comm, call
 
     def __call__(self, *args, **kwargs):
+        return self._call(*args, **kwargs)
+
+    def all_reduce(self, *args, **kwargs):
         return self._call(*args, **kwargs)
 
     def __getattr__(self, name):

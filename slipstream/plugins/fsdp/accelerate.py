@@ -10,7 +10,9 @@ in the environment): every model accelerate prepares with FSDP2 gets
 - ``AcceleratorState.__init__``: on CPU accelerate runs DDP even when FSDP is configured (its
   FSDP branch lists only accelerator devices); with slipstream on, a job that configured FSDP
   (an FSDP plugin, or ``ACCELERATE_USE_FSDP=true`` from ``accelerate launch`` with an FSDP
-  YAML) gets FSDP on CPU, as configured, said once in the log.
+  YAML) gets FSDP on CPU, as configured, said once in the log. ``accelerate launch`` with an
+  FSDP YAML made for GPUs (``use_cpu: false``) on a machine without one would even run every
+  process alone (``DistributedType.NO``); with slipstream on, they run as one CPU job.
 
 Settings come from the file named by ``SLIPSTREAM_CONFIG`` (JSON or YAML: the same section as
 in a DeepSpeed config, ``{"enabled": true, "comm": {...}, "varlen": {"enabled": true}}``),
@@ -79,6 +81,11 @@ def install() -> None:
 
     @functools.wraps(original_init)
     def __init__(self, *args, **kwargs):
+        if _launched_for_fsdp_without_a_device(state):
+            if len(args) >= 2:  # (mixed_precision, cpu, ...)
+                args = (args[0], True, *args[2:])
+            else:
+                kwargs["cpu"] = True
         original_init(self, *args, **kwargs)
         _fsdp_on_cpu(self, kwargs.get("fsdp_plugin"))
 
@@ -118,6 +125,29 @@ def _destroy_groups() -> None:
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001 - exiting anyway
             pass
+
+
+def _launched_for_fsdp_without_a_device(state_module) -> bool:
+    """``accelerate launch`` with an FSDP YAML (``use_cpu: false``, as GPU configs have it) on a
+    machine without an accelerator: accelerate would give every process
+    ``DistributedType.NO``, each training alone on its own data. With slipstream on, the
+    processes run as the multi-process CPU job they were launched as (then FSDP, below)."""
+    import torch
+
+    from accelerate.utils import parse_flag_from_env
+
+    if (os.environ.get("ACCELERATE_USE_FSDP", "false").lower() != "true" or parse_flag_from_env("ACCELERATE_USE_CPU")
+            or "LOCAL_RANK" not in os.environ or int(os.environ.get("WORLD_SIZE", "1")) < 2):
+        return False
+    accelerator = getattr(torch, "accelerator", None)
+    if torch.cuda.is_available() or (accelerator is not None and accelerator.is_available()):
+        return False
+    if state_module.PartialState._shared_state:  # the script made its PartialState already: too late
+        warn_once("accelerate launch configured FSDP on a machine without an accelerator, and the script "
+                  "created accelerate's PartialState before its Accelerator: every process runs alone "
+                  "(accelerate's DistributedType.NO); create the Accelerator first, or pass cpu=True")
+        return False
+    return True
 
 
 def _fsdp_on_cpu(state, fsdp_plugin) -> None:

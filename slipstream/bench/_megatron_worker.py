@@ -1,0 +1,168 @@
+"""One rank of ``slipstream bench megatron``: a megatron-core ``GPTModel`` (local spec, rope)
+trained with tensor parallelism inside a node and Megatron's DDP across the data-parallel
+group, on alpaca data, on ``--backend`` gloo or slipstream, with padded or packed (THD) batches.
+
+Padded batches use a causal mask; packed ones are one row of the real tokens with
+``PackedSeqParams`` through slipstream's packed attention. The loss is the sum of the
+per-token losses over the step's real target tokens of every data-parallel rank, so padded and
+packed runs train the same numbers. Rank 0 writes the step times (the slowest rank's), the
+losses and the per-collective paths as JSON to ``--out``.
+
+megatron-core 0.16 asks CUDA for things a CPU run does not need; this worker (and the tests)
+work around them, and only here: see ``CPU_WORKAROUNDS``, printed in the bench's report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+import slipstream  # noqa: F401 - registers the backend
+
+CPU_WORKAROUNDS = (
+    "torch.cuda.current_device() answers 'cpu' (megatron-core puts the rotary frequencies and "
+    "Megatron DDP's gradient buffers there)",
+    "the model-parallel RNG fork around dropout is a no-op (dropout is 0: no random number is drawn)",
+)
+
+
+def cpu_workarounds() -> None:
+    """What ``CPU_WORKAROUNDS`` says, in this process only (a bench or test rank)."""
+    from megatron.core import tensor_parallel
+
+    if not torch.cuda.is_available():
+        torch.cuda.current_device = lambda: "cpu"
+        tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()
+
+
+def gpt(hidden: int, layers: int, heads: int, vocab: int, max_length: int, tp: int):
+    import torch.nn.functional as F
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from slipstream.megatron import local_spec
+
+    config = TransformerConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+                               num_query_groups=max(1, heads // 2), ffn_hidden_size=4 * hidden,
+                               tensor_model_parallel_size=tp, use_cpu_initialization=True, hidden_dropout=0.0,
+                               attention_dropout=0.0, normalization="RMSNorm", add_bias_linear=False,
+                               gated_linear_unit=True, activation_func=F.silu)
+    torch.manual_seed(0)
+    return GPTModel(config, transformer_layer_spec=local_spec(), vocab_size=vocab, max_sequence_length=max_length,
+                    position_embedding_type="rope"), config
+
+
+def next_token_batch(samples: list[dict], pad_id: int) -> dict:
+    """Padded ``tokens`` and Megatron's labels (the next token at each position), with the loss
+    mask of the positions that have a target."""
+    from slipstream.recipes.data import pad_batch
+
+    b = pad_batch(samples, pad_id)
+    target = torch.full_like(b["labels"], -100)
+    target[:, :-1] = b["labels"][:, 1:]
+    return {"tokens": b["input_ids"], "labels": target.clamp(min=0), "loss_mask": (target != -100).float(),
+            "attention_mask": b["attention_mask"]}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--backend", choices=("gloo", "slipstream"), required=True)
+    p.add_argument("--tp", type=int, required=True)
+    p.add_argument("--packed", action="store_true")
+    p.add_argument("--data", default=None)
+    p.add_argument("--samples", type=int, default=400)
+    p.add_argument("--max-length", type=int, default=512)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    dist.init_process_group(args.backend)
+    cpu_workarounds()
+
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    from slipstream.core_comm import counters
+    from slipstream.megatron import pack_batch
+    from slipstream.recipes._finetune_worker import load_samples, step_micro_batches
+    from slipstream.recipes.tokenizer import load_tokenizer
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tp)
+    dp_group = parallel_state.get_data_parallel_group()
+    dp_rank, dp_world = dist.get_rank(dp_group), dist.get_world_size(dp_group)
+    tokenizer = load_tokenizer(None)
+    picks = argparse.Namespace(data=args.data, samples=args.samples, seed=args.seed, max_length=args.max_length,
+                               batch_size=args.batch, grad_accum=1)
+    samples = load_samples(picks, tokenizer)
+    vocab = math.ceil(len(tokenizer) / (128 * args.tp)) * 128 * args.tp  # Megatron pads the vocabulary so
+    model, config = gpt(args.hidden, args.layers, args.heads, vocab, args.max_length, args.tp)
+    params = sum(q.numel() for q in model.parameters())
+    model = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    times, losses, real, padded = [], [], 0, 0
+    for step in range(args.warmup + args.steps):
+        if step == args.warmup:
+            counters.reset()
+        (micro,) = step_micro_batches(samples, step, picks, dp_rank, dp_world)
+        b = next_token_batch(micro, tokenizer.pad_token_id)
+        t0 = time.perf_counter()
+        if args.packed:
+            packed = pack_batch(b["tokens"], b["labels"], b["attention_mask"], b["loss_mask"])
+            mask = packed["loss_mask"]
+            per_token = model(packed["input_ids"], packed["position_ids"], None, labels=packed["labels"],
+                              packed_seq_params=packed["packed_seq_params"])
+        else:
+            s = b["tokens"].shape[1]
+            mask = b["loss_mask"]
+            causal = torch.triu(torch.ones(s, s, dtype=torch.bool), 1)[None, None]  # True: masked
+            per_token = model(b["tokens"], torch.arange(s).expand_as(b["tokens"]), causal, labels=b["labels"])
+        counts = torch.stack([mask.sum(), (per_token * mask).sum().detach()])
+        dist.all_reduce(counts, group=dp_group)  # the step's target tokens and loss sum, every DP rank
+        # Megatron's DDP divides each gradient by the DP size before summing: the loss over the
+        # step's tokens, times that size, gives the gradient of the step's mean loss
+        ((per_token * mask).sum() * (dp_world / counts[0])).backward()
+        model.finish_grad_sync()
+        for q in model.parameters():
+            q.grad = q.main_grad
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        model.zero_grad_buffer()
+        times.append(time.perf_counter() - t0)
+        losses.append((counts[1] / counts[0]).item())
+        if step >= args.warmup:
+            real += int(b["attention_mask"].sum())
+            padded += b["attention_mask"].numel()
+    slowest = torch.tensor(times[args.warmup:], dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    tokens = torch.tensor([real, padded], dtype=torch.float64)
+    dist.all_reduce(tokens, group=dp_group)
+    if dist.get_rank() == 0:
+        with open(args.out, "w") as f:
+            json.dump(dict(backend=args.backend, tp=args.tp, dp=dp_world, packed=args.packed, params=params,
+                           times_s=slowest.tolist(), losses=losses, real_tokens=tokens[0].item(),
+                           padded_tokens=tokens[1].item(), comm_paths=counters.snapshot(),
+                           world_backend=dist.get_backend_config()), f)
+    parallel_state.destroy_model_parallel()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    from slipstream.cluster.worker import leave
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    main()
+    leave()

@@ -1,0 +1,153 @@
+"""``slipstream bench megatron``: megatron-core GPT training, gloo vs slipstream, padded vs packed.
+
+For each ``--tp`` (default ``2,1``: TP=2 inside each node x DP across nodes, then TP=1 x DP
+over every rank) on one cluster layout (default 2 emulated nodes x 2 ranks over 1 Gbit/s, root
+needed), three jobs run one after another on the same data and seed (``_megatron_worker.py``):
+gloo with padded batches (stock), slipstream with padded batches, slipstream with packed (THD)
+batches through its packed attention. Megatron's DDP reduces the gradients; the optimizer is
+torch's AdamW over DDP's reduced gradients.
+
+Columns: the median step time of the slowest rank; ratio = gloo padded / this job (> 1 is
+faster); loss: the largest per-step relative difference from gloo padded. What megatron-core
+needs CUDA for on CPU is worked around in the ranks only, and listed in the report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+
+from slipstream.bench.comm import _machine
+from slipstream.cluster import launch
+from ._output import emit
+from .ddp import parse_layout
+
+__all__ = ["JOBS", "add_arguments", "run"]
+
+JOBS = (("gloo", False), ("slipstream", False), ("slipstream", True))  # (backend, packed); the first is stock
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--layout", default="2x2@1gbit", help="NODESxRANKS[@LINK] (default 2x2@1gbit)")
+    parser.add_argument("--tp", default="2,1", help="tensor-parallel sizes, comma-separated (default 2,1)")
+    parser.add_argument("--data", default=None, help="alpaca-format JSON (default: a generated dataset)")
+    parser.add_argument("--samples", type=int, default=400, help="samples to generate when --data is not given")
+    parser.add_argument("--max-length", type=int, default=512)
+    parser.add_argument("--batch", type=int, default=8, help="samples per data-parallel rank per step")
+    parser.add_argument("--steps", type=int, default=8, help="timed steps per job (default 8)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds before every rank is killed")
+    parser.add_argument("--json", help="write the records (a JSON list) here")
+    parser.add_argument("--markdown", help="write the report (machine, command, table) here")
+
+
+def _command(args: argparse.Namespace) -> str:
+    data = f" --data {args.data}" if args.data else f" --samples {args.samples}"
+    return (f"slipstream bench megatron --layout {args.layout} --tp {args.tp}{data} --max-length {args.max_length} "
+            f"--batch {args.batch} --steps {args.steps} --warmup {args.warmup} --hidden {args.hidden} "
+            f"--layers {args.layers} --heads {args.heads}")
+
+
+def _tps(text: str, ranks: int, per_node: int) -> list[int]:
+    try:
+        tps = [int(t) for t in text.split(",")]
+    except ValueError:
+        raise SystemExit(f"--tp: comma-separated integers, got {text!r}") from None
+    for tp in tps:
+        if tp < 1 or ranks % tp or per_node % tp:
+            raise SystemExit(f"--tp {tp}: must divide the ranks per node ({per_node}); tensor parallelism "
+                             "stays inside a node")
+    return tps
+
+
+def _record(layout: str, jobs: list[dict]) -> dict:
+    stock = jobs[0]
+    base = statistics.median(stock["times_s"])
+    out = {"layout": layout, "tp": stock["tp"], "dp": stock["dp"], "params": stock["params"], "jobs": []}
+    for job in jobs:
+        step = statistics.median(job["times_s"])
+        diff = max(abs(a - b) / abs(a) for a, b in zip(stock["losses"], job["losses"], strict=True))
+        out["jobs"].append({**job, "step_s": step, "ratio": base / step, "max_rel_loss_diff": diff,
+                            "padding_removed": 1 - job["real_tokens"] / job["padded_tokens"] if job["packed"] else 0.0})
+    return out
+
+
+def _name(job: dict) -> str:
+    return f"{job['backend']} {'packed' if job['packed'] else 'padded'}"
+
+
+def _table(records: list[dict]) -> str:
+    rows = ["| layout | TP x DP | params | job | step (s) | ratio | loss diff | fast paths |",
+            "|---|---|---:|---|---:|---:|---:|---|"]
+    for r in records:
+        for j in r["jobs"]:
+            paths = ", ".join(f"{op}: {'/'.join(sorted(p))}" for op, p in sorted(j["comm_paths"].items())) or "-"
+            rows.append(f"| {r['layout']} | {r['tp']} x {r['dp']} | {r['params'] / 1e6:.1f} M | {_name(j)} | "
+                        f"{j['step_s']:.3f} | {j['ratio']:.2f}x | {j['max_rel_loss_diff']:.1e} | {paths} |")
+    return "\n".join(rows)
+
+
+def _report(records: list[dict], machine: dict, command: str) -> str:
+    from ._megatron_worker import CPU_WORKAROUNDS
+
+    m = machine
+    return "\n".join([
+        f"machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB; kernel {m['kernel']}, "
+        f"Python {m['python']}, torch {m['torch']}, megatron-core {_megatron_version()}",
+        f"command: {command}",
+        "step: median step time of the slowest rank; ratio = gloo padded step / this step; loss diff: "
+        "largest per-step relative difference from gloo padded",
+        "worked around in the ranks (megatron-core on CPU): " + "; ".join(CPU_WORKAROUNDS),
+        "",
+        _table(records),
+        "",
+    ])
+
+
+def _megatron_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("megatron-core")
+    except PackageNotFoundError:
+        return "not installed"
+
+
+def run(args: argparse.Namespace) -> int:
+    import importlib.util
+
+    if importlib.util.find_spec("megatron.core") is None:
+        raise SystemExit("slipstream bench megatron needs megatron-core: pip install 'slipstream[megatron]'")
+    try:
+        spec = parse_layout(args.layout)
+    except ValueError as e:
+        raise SystemExit(str(e)) from e
+    tps = _tps(args.tp, spec.nodes * spec.ranks_per_node, spec.ranks_per_node)
+    if args.steps < 1 or args.warmup < 0:
+        raise SystemExit("--steps must be >= 1 and --warmup >= 0")
+    command = _command(args)
+    sys.stdout.write(command + "\n")
+    records = []
+    with tempfile.TemporaryDirectory(prefix="slipstream-bench-megatron-") as tmp:
+        for tp in tps:
+            jobs = []
+            for backend, packed in JOBS:
+                out = os.path.join(tmp, "raw.json")
+                worker = ["-m", "slipstream.bench._megatron_worker", "--out", out, "--backend", backend,
+                          "--tp", str(tp), "--max-length", str(args.max_length), "--batch", str(args.batch),
+                          "--steps", str(args.steps), "--warmup", str(args.warmup), "--hidden", str(args.hidden),
+                          "--layers", str(args.layers), "--heads", str(args.heads), "--samples", str(args.samples)]
+                worker += ["--packed"] * packed + (["--data", args.data] if args.data else [])
+                launch(worker, spec, timeout=args.timeout)
+                with open(out) as f:
+                    jobs.append(json.load(f))
+            records.append(_record(args.layout, jobs))
+    emit(_report(records, _machine(), command), records, args)
+    return 0
