@@ -108,10 +108,7 @@ def main(case: str) -> int:
                 _fault_now()  # the disagreement starts when the last rank makes its call
             _call(op, x, world)
     except Exception as e:  # noqa: BLE001 - reported to the harness
-        traceback.print_exc()
-        print(f"RAISED {time.time():.3f}", flush=True)
-        print(f"ERROR {type(e).__name__}: {e}", flush=True)
-        sys.exit(1)  # with the interpreter's teardown, as a script that raises has
+        _report(e)  # with the interpreter's teardown, as a script that raises has
     dist.destroy_process_group()
     return 0
 
@@ -138,10 +135,7 @@ def _megatron(victim: bool) -> int:
             grads = torch.cat([p.grad.reshape(-1) for p in (*col.parameters(), *row.parameters())])
             dist.all_reduce(grads, group=dp)
     except Exception as e:  # noqa: BLE001 - reported to the harness
-        traceback.print_exc()
-        print(f"RAISED {time.time():.3f}", flush=True)
-        print(f"ERROR {type(e).__name__}: {e}", flush=True)
-        sys.exit(1)
+        _report(e)
     return 0
 
 
@@ -165,11 +159,17 @@ def _fsdp(victim: bool) -> int:
             opt.step()
             opt.zero_grad()
     except Exception as e:  # noqa: BLE001 - reported to the harness
-        traceback.print_exc()
-        print(f"RAISED {time.time():.3f}", flush=True)
-        print(f"ERROR {type(e).__name__}: {e}", flush=True)
-        sys.exit(1)
+        _report(e)
     return 0
+
+
+def _report(e: Exception) -> None:
+    """The harness reads these lines; then exit 1 with the interpreter's teardown, as a script
+    that raises has."""
+    traceback.print_exc()
+    print(f"RAISED {time.time():.3f}", flush=True)
+    print(f"ERROR {type(e).__name__}: {e}", flush=True)
+    sys.exit(1)
 
 
 def _fault_now_and_exit() -> None:
