@@ -18,6 +18,12 @@ def cpu_model() -> str:
         return platform.processor() or "unknown"
 
 
+def machine_line(m: dict, extra: str = "") -> str:
+    """The report's first line: the machine (``bench.comm._machine()``) and the versions."""
+    return (f"machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB; kernel {m['kernel']}, "
+            f"Python {m['python']}, torch {m['torch']}" + (f", {extra}" if extra else ""))
+
+
 def emit(report: str, data, args, *, indent: int = 1) -> None:
     """Print ``report``; write ``data`` as JSON to ``args.json`` and ``report`` to
     ``args.markdown`` when those options were given."""

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from slipstream.cluster import ClusterSpec, launch, parse_rate
-from ._output import cpu_model, emit
+from ._output import cpu_model, emit, machine_line
 
 __all__ = ["add_arguments", "run"]
 
@@ -218,8 +218,7 @@ def _report(records: list[dict], machine: dict, command: str, spec: ClusterSpec,
     bound = ("bytes across each node's link / link rate" if spec.nodes > 1
              else f"least memory traffic / copy bandwidth {mem_bw / 1e9:.1f} GB/s")
     return "\n".join([
-        f"machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB; kernel {m['kernel']}, "
-        f"Python {m['python']}, torch {m['torch']}",
+        machine_line(m),
         f"command: {command}",
         f"load average (1 min) at start / end: {load[0]:.1f} / {os.getloadavg()[0]:.1f} "
         f"(other work on the machine slows every implementation)",

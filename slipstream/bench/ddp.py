@@ -24,7 +24,7 @@ import tempfile
 
 from slipstream.bench.comm import _machine
 from slipstream.cluster import ClusterSpec, launch, parse_rate
-from ._output import emit
+from ._output import emit, machine_line
 
 __all__ = ["add_arguments", "parse_layout", "run"]
 
@@ -84,8 +84,7 @@ def _table(records: list[dict]) -> str:
 def _report(records: list[dict], machine: dict, command: str) -> str:
     m = machine
     return "\n".join([
-        f"machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB; kernel {m['kernel']}, "
-        f"Python {m['python']}, torch {m['torch']}",
+        machine_line(m),
         f"command: {command}",
         "steps/s from the median step time of the slowest rank; ratio = slipstream / gloo steps/s",
         "",

@@ -23,7 +23,7 @@ import tempfile
 
 from slipstream.bench.comm import _machine
 from slipstream.cluster import launch
-from ._output import emit
+from ._output import emit, machine_line
 from .ddp import parse_layout
 
 __all__ = ["JOBS", "add_arguments", "run"]
@@ -99,8 +99,7 @@ def _report(records: list[dict], machine: dict, command: str) -> str:
 
     m = machine
     return "\n".join([
-        f"machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB; kernel {m['kernel']}, "
-        f"Python {m['python']}, torch {m['torch']}, megatron-core {_megatron_version()}",
+        machine_line(m, f"megatron-core {_megatron_version()}"),
         f"command: {command}",
         "step: median step time of the slowest rank; ratio = gloo padded step / this step; loss diff: "
         "largest per-step relative difference from gloo padded",

@@ -26,7 +26,7 @@ import tempfile
 
 from slipstream.bench.comm import _format_size, _machine, parse_size
 from slipstream.cluster import ClusterSpec, launch, parse_rate
-from ._output import emit
+from ._output import emit, machine_line
 
 __all__ = ["add_arguments", "run"]
 
@@ -107,8 +107,7 @@ def _table(records: list[dict]) -> str:
 def _report(records: list[dict], machine: dict, command: str, spec: ClusterSpec) -> str:
     m, r = machine, records[0]
     return "\n".join([
-        f"machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB; kernel {m['kernel']}, "
-        f"Python {m['python']}, torch {m['torch']}",
+        machine_line(m),
         f"command: {command}",
         f"layout: {spec.nodes} emulated nodes x {spec.ranks_per_node} ranks, link {spec.link} each way, "
         f"{spec.per_connection_rate} per connection on capped ports; allreduce of {_format_size(r['size_bytes'])} "

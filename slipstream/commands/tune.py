@@ -19,6 +19,7 @@ import tempfile
 import torch
 
 from slipstream.bench.comm import _format_size, _machine, parse_size
+from slipstream.bench._output import machine_line
 from slipstream.cluster import ClusterSpec, launch
 from slipstream.plugins.deepspeed.translate import zero_buckets
 from slipstream.plugins.fsdp.translate import wrap_policy_kwargs
@@ -118,8 +119,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     m = _machine()
     report = "\n".join([
-        f"machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB; kernel {m['kernel']}, "
-        f"Python {m['python']}, torch {m['torch']}",
+        machine_line(m),
         f"command: {_command(args)}",
         f"layout: {spec.nodes} node(s) x {spec.ranks_per_node} ranks" + (f", link {spec.link}" if spec.link else "")
         + (f"; fast paths off: {result['unavailable']}" if result["unavailable"] else ""),
