@@ -17,6 +17,7 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("bench", "ddp"): ("slipstream.bench.ddp", "DDP training: slipstream backend vs gloo"),
     ("bench", "transport"): ("slipstream.bench.transport", "inter-node transport: K connections vs 1"),
     ("bench", "megatron"): ("slipstream.bench.megatron", "megatron-core GPT: gloo vs slipstream, padded vs packed"),
+    ("bench", "loader"): ("slipstream.bench.loader", "collation hidden behind the step by AsyncLoader"),
     ("finetune",): ("slipstream.recipes.finetune", "fine-tune a causal LM with DeepSpeed ZeRO or FSDP2 (+ slipstream)"),
     ("tune",): ("slipstream.commands.tune", "measure and cache the best algorithm per size"),
     ("env",): ("slipstream.commands.env", "this machine: topology, fast paths, tuned plan, versions"),

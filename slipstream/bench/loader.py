@@ -1,0 +1,134 @@
+"""``slipstream bench loader``: how much collation time ``AsyncLoader`` hides behind the step.
+
+One process. A step is a matmul loop calibrated to ``--step-ms``; collating a batch is Python
+work (building and padding token lists into tensors, like a tokenising collator) calibrated
+to ``--collate-ms``. The same loop runs plainly (collation on the loop's thread, then the step)
+and through ``AsyncLoader`` (collation on its thread while the step runs), alternating, over
+``--repeats`` rounds. Hidden = (plain time - async time) / the collation time of the plain
+run, per round; the report gives the median. ``--threads`` sets torch's intra-op threads for
+the step (default: torch's own, every core: then the step and the collation share the cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+
+import torch
+
+from ._output import emit, machine_line
+
+__all__ = ["add_arguments", "run"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--steps", type=int, default=40, help="steps per loop (default 40)")
+    parser.add_argument("--step-ms", type=float, default=50.0, help="compute per step (default 50 ms)")
+    parser.add_argument("--collate-ms", type=float, default=5.0, help="collation per batch (default 5 ms)")
+    parser.add_argument("--repeats", type=int, default=5, help="rounds of plain + async (default 5)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads for the step (default: torch's)")
+    parser.add_argument("--json", help="write the records here")
+    parser.add_argument("--markdown", help="write the report here")
+
+
+def _step_fn(ms: float):
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
+
+    def once() -> None:
+        torch.mm(a, b)
+
+    reps = _calibrate(once, ms)
+    return lambda: [once() for _ in range(reps)]
+
+
+def _collate_fn(ms: float):
+    rng = random.Random(0)
+    samples = [[rng.randrange(32000) for _ in range(rng.randrange(20, 200))] for _ in range(64)]
+
+    def once():
+        longest = max(len(s) for s in samples)
+        rows = [s + [0] * (longest - len(s)) for s in samples]
+        return torch.tensor(rows)
+
+    reps = _calibrate(once, ms)
+
+    def collate(i: int):
+        out = None
+        for _ in range(reps):
+            out = once()
+        return out
+
+    return collate
+
+
+def _calibrate(fn, ms: float) -> int:
+    """Repetitions of ``fn`` that take about ``ms`` milliseconds on this machine now."""
+    fn()
+    t0 = time.perf_counter()
+    n = 0
+    while time.perf_counter() - t0 < 0.2:
+        fn()
+        n += 1
+    per = (time.perf_counter() - t0) / n
+    return max(1, round(ms / 1e3 / per))
+
+
+class _Collating:
+    """A loader whose batches are collated on iteration (as a DataLoader with num_workers=0)."""
+
+    def __init__(self, collate, steps: int) -> None:
+        self.collate, self.steps, self.seconds = collate, steps, 0.0
+
+    def __iter__(self):
+        for i in range(self.steps):
+            t0 = time.perf_counter()
+            batch = self.collate(i)
+            self.seconds += time.perf_counter() - t0
+            yield batch
+
+
+def _loop(batches, step) -> float:
+    t0 = time.perf_counter()
+    for _ in batches:
+        step()
+    return time.perf_counter() - t0
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..data import AsyncLoader
+
+    if args.steps < 1 or args.repeats < 1 or args.step_ms <= 0 or args.collate_ms < 0:
+        raise SystemExit("--steps and --repeats must be >= 1, --step-ms > 0, --collate-ms >= 0")
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    command = (f"slipstream bench loader --steps {args.steps} --step-ms {args.step_ms} --collate-ms "
+               f"{args.collate_ms} --repeats {args.repeats}" + (f" --threads {args.threads}" if args.threads else ""))
+    sys.stdout.write(command + "\n")
+    step, collate = _step_fn(args.step_ms), _collate_fn(args.collate_ms)
+    rounds = []
+    for r in range(args.repeats):
+        order = ("plain", "async") if r % 2 == 0 else ("async", "plain")
+        times, collated = {}, 0.0
+        for kind in order:
+            source = _Collating(collate, args.steps)
+            times[kind] = _loop(source if kind == "plain" else AsyncLoader(source), step)
+            if kind == "plain":
+                collated = source.seconds
+        rounds.append({"plain_s": times["plain"], "async_s": times["async"], "collate_s": collated,
+                       "hidden": (times["plain"] - times["async"]) / collated if collated else float("nan")})
+    record = {"steps": args.steps, "step_ms": args.step_ms, "collate_ms": args.collate_ms,
+              "threads": torch.get_num_threads(), "rounds": rounds,
+              "hidden_median": statistics.median(r["hidden"] for r in rounds)}
+    from .comm import _machine
+
+    lines = [machine_line(_machine()), f"command: {command}",
+             f"torch threads for the step: {record['threads']}; hidden = (plain - async) / collation time",
+             "", "| round | plain (s) | async (s) | collation (s) | hidden |", "|---:|---:|---:|---:|---:|"]
+    lines += [f"| {i} | {r['plain_s']:.3f} | {r['async_s']:.3f} | {r['collate_s']:.3f} | {100 * r['hidden']:.0f}% |"
+              for i, r in enumerate(rounds, 1)]
+    lines += ["", f"median hidden: {100 * record['hidden_median']:.0f}% of the collation time", ""]
+    emit("\n".join(lines), record, args)
+    return 0
