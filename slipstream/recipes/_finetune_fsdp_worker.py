@@ -23,6 +23,7 @@ from ..core_compile import global_token_count, step_loss
 from ..plugins.fsdp.translate import grad_reduction
 from ._finetune_worker import _progress, _summary, load_samples, parse, step_micro_batches, step_record
 from .data import pad_batch
+from .finetune import result_file
 from .model import build_model
 from .tokenizer import load_tokenizer
 
@@ -193,7 +194,7 @@ def main(argv=None) -> None:
     if int(os.environ.get("RANK", "0")) == 0:
         out = Path(args.output_dir)
         out.mkdir(parents=True, exist_ok=True)
-        (out / f"{args.impl}{'-hsdp' * args.hsdp}.json").write_text(json.dumps(summary, indent=2) + "\n")
+        result_file(out, args.impl, args.hsdp).write_text(json.dumps(summary, indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -118,6 +118,11 @@ def _runs(args) -> list[tuple[str, str, bool]]:
     return [("stock", "stock", False)] + [("stock-hsdp", "stock", True)] * hsdp + [("slipstream", "slipstream", hsdp)]
 
 
+def result_file(output_dir, impl: str, hsdp: bool = False) -> Path:
+    """Where a worker of ``impl`` (on an HSDP mesh or not) writes its summary."""
+    return Path(output_dir) / f"{impl}{'-hsdp' * hsdp}.json"
+
+
 def _launch(args, impl: str, spec: ClusterSpec, hsdp: bool = False) -> dict:
     argv = ["-m", WORKERS[getattr(args, "stack", "deepspeed")], "--impl", impl]
     if getattr(args, "stack", "deepspeed") == "fsdp":
@@ -126,7 +131,7 @@ def _launch(args, impl: str, spec: ClusterSpec, hsdp: bool = False) -> dict:
         value = getattr(args, attr)
         if value is not None:
             argv += [flag, str(value)]
-    out = Path(args.output_dir) / f"{impl}{'-hsdp' * hsdp}.json"
+    out = result_file(args.output_dir, impl, hsdp)
     out.unlink(missing_ok=True)
     launch(argv, spec, timeout=args.timeout)
     return json.loads(out.read_text())
