@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 import slipstream  # noqa: F401 - registers the backend (the ranks import this module)
 from _dist import from_bytes as _load, run_ranks, to_bytes as _bytes
+from _megatron_optimizer import train as _optimizer_train
 
 pytest.importorskip("megatron.core")
 
@@ -72,6 +73,29 @@ def test_tensor_and_data_parallel_layers_on_slipstream_equal_gloo(world, tp, nod
         assert paths & {"shm", "cma", "hierarchical"}, o["counts"]
         if world > tp:  # with TP=world the data-parallel group has one rank: nothing to reduce
             assert "stock" not in paths, o["counts"]
+
+
+@pytest.mark.parametrize("distributed", [False, True], ids=["ddp", "distributed-optimizer"])
+def test_megatron_optimizer_at_tp2xdp2_on_slipstream_equals_gloo_through_the_fast_path(distributed):
+    """A GPT at TP=2 x DP=2 on one node, trained by Megatron's DDP and ``get_megatron_optimizer``
+    (on CPU through the tests' ``CudaOnCpu``): with the distributed optimizer the gradients are
+    reduce-scattered and the parameters all-gathered, in torch's coalescing manager."""
+    env = [{"SLIPSTREAM_NODE": "0"}] * 4
+    stock = _load(run_ranks(_optimizer_train, 4, 2, distributed, rank_env=env, timeout=300))
+    ours = _load(run_ranks(_optimizer_train, 4, 2, distributed, rank_env=env, backend="slipstream", timeout=300))
+    coalesced = ("reduce_scatter_coalesced", "all_gather_coalesced") if distributed else ("all_reduce_coalesced",)
+    for s, o in zip(stock, ours):
+        if distributed:  # it sums the grad norm over all 4 ranks: the order may round the last bit apart
+            torch.testing.assert_close(o["losses"], s["losses"], rtol=1e-6, atol=0)
+            torch.testing.assert_close(o["params"], s["params"], rtol=1e-5, atol=1e-7)
+        else:  # every sum is over two ranks (TP, DP, the norm over TP): one order, bit-equal
+            assert torch.equal(o["losses"], s["losses"]) and torch.equal(o["params"], s["params"])
+        assert o["losses"][-1] < o["losses"][0], o["losses"]  # the optimizer stepped
+        assert s["counts"] == {}, s["counts"]  # gloo's calls do not reach slipstream
+        for kind in ("all_reduce", *coalesced):
+            paths = set(o["counts"].get(kind, {}))
+            assert paths and paths <= {"shm", "cma"}, (kind, o["counts"])
+        assert distributed == ("reduce_scatter_coalesced" in o["counts"]), o["counts"]
 
 
 def test_process_groups_gives_slipstream_twins_to_a_job_on_gloo_and_restores_parallel_state():
