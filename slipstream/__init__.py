@@ -1,7 +1,8 @@
 """Slipstream: faster PyTorch training for DeepSpeed, FSDP and Megatron-core users.
 
 ``slipstream.core_comm`` holds the fast collectives, ``slipstream.core_compile`` the
-padding-removal pass, ``slipstream.plugins`` the thin adapters for each training stack.
+padding-removal pass and the compile autotuner (``slipstream.compile``), ``slipstream.plugins``
+the thin adapters for each training stack.
 
 Importing slipstream registers the ``slipstream`` torch.distributed backend, so that
 ``dist.init_process_group("slipstream")`` works; it changes no default. ``slipstream.enable()``
@@ -12,10 +13,15 @@ slipstream imports torch.distributed, never an optional framework.
 
 from .core_comm._backend_registry import register as _register
 from .core_comm.ddp_hook import DDPHookState, ddp_hook
+from .core_compile.autotune import compile, compile_report, uncompile
+from .core_compile.compile_config import CompileConfig
 from .report import status
 from .switch import disable, enable, is_enabled
 
 __version__ = "0.1.0"
-__all__ = ["DDPHookState", "__version__", "ddp_hook", "disable", "enable", "is_enabled", "status"]
+__all__ = [
+    "CompileConfig", "DDPHookState", "__version__", "compile", "compile_report", "ddp_hook", "disable", "enable",
+    "is_enabled", "status", "uncompile",
+]
 
 _register()

@@ -1,4 +1,8 @@
-"""Padding removal for variable-length batches: same loss and gradients as the padded run.
+"""Padding removal for variable-length batches, and compile strategies chosen by measurement.
+
+``slipstream.compile(model)`` (``autotune``) picks eager or a ``torch.compile`` strategy on the
+first training steps and falls back to eager on any failure. Padding removal gives the same
+loss and gradients as the padded run.
 
 Apply the pass, collate flat, normalise the loss per step::
 
@@ -9,6 +13,8 @@ Apply the pass, collate flat, normalise the loss per step::
 """
 
 from .attention import BACKENDS, available_backends, varlen_attention
+from .autotune import compile, compile_report, uncompile
+from .compile_config import CompileConfig, CompileFallbackWarning, CompileReport
 from .collator import CollatorConfig, FlattenCollator, best_fit_decreasing
 from .loss import GradReduction, count_target_tokens, global_token_count, step_loss, sum_cross_entropy
 from .packing import PackedBatch
@@ -23,6 +29,9 @@ __all__ = [
     "BACKENDS",
     "SUPPORTED_MODEL_TYPES",
     "CollatorConfig",
+    "CompileConfig",
+    "CompileFallbackWarning",
+    "CompileReport",
     "FlattenCollator",
     "GradReduction",
     "PackedBatch",
@@ -32,11 +41,14 @@ __all__ = [
     "available_backends",
     "balance",
     "best_fit_decreasing",
+    "compile",
+    "compile_report",
     "count_target_tokens",
     "global_token_count",
     "is_varlen_patched",
     "step_loss",
     "sum_cross_entropy",
+    "uncompile",
     "unpatch_varlen",
     "varlen_attention",
     "varlen_patched",

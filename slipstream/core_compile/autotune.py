@@ -1,0 +1,396 @@
+"""``slipstream.compile``: the compile strategy chosen by measurement on the first real steps.
+
+::
+
+    model = slipstream.compile(model)         # before or after DDP / FSDP2 / DeepSpeed wrap it
+    for batch in loader:                      # unchanged loop
+        loss = model(**batch).loss; loss.backward(); opt.step(); opt.zero_grad()
+    print(slipstream.compile_report(model).table())
+
+The model's ``forward`` becomes an ``Autotuner`` (an instance attribute; ``uncompile`` removes
+it). Each call is one training step; the time between two calls is the step's time, backward
+and optimizer included. The search, on the user's own batches:
+
+1. the first step runs eagerly, and ``torch._dynamo.explain`` lists the graph breaks;
+2. each candidate (``strategy.candidates``) is compiled and checked against eager on the
+   step's batch (``check.compare``: loss and gradients), then runs ``warmup_steps`` steps;
+   the candidates measured stop when ``budget_s`` is spent;
+3. the survivors, eager included, take turns for ``measure_rounds`` rounds of timed steps
+   (interleaved, so a slow spell of the machine hits all of them); each step's time is divided
+   by its batch's elements (lengths vary); the fastest median wins if it beats eager by
+   ``min_speedup``, else eager does. Under ``torch.distributed`` the ranks agree on every
+   choice (one all-reduce per candidate), so they compile and stop alike.
+
+After the choice, any error in a compiled call, more than ``max_recompiles`` new graphs, or a
+mismatch at a periodic check (``check_every``) puts the model back on eager for good, with one
+warning saying why; the failing step is rerun eagerly, so the run goes on with eager numbers.
+The choice is cached on disk (``compile_cache``); a run with the same model, shapes, device and
+versions skips the search and says so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+import warnings
+from collections import deque
+from pathlib import Path
+
+import torch
+
+from . import check, compile_cache, diagnose, strategy
+from .compile_config import Candidate, CompileConfig, CompileFallbackWarning, CompileReport
+
+__all__ = ["compile", "compile_report", "uncompile"]
+
+_MARKER = "_slipstream_autotuner"
+# Dynamo counts every compiled variant of a code object against one limit (8), and the
+# candidates share the model's code objects: measured strategies must not crowd each other out.
+_RECOMPILE_LIMIT = 64
+
+
+def _target(model: torch.nn.Module) -> torch.nn.Module:
+    """The module whose forward is tuned: DDP's inner module, else the model itself."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
+def _why(e: BaseException) -> str:
+    """One line: the error, or for a backend's failure the backend's own error."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip() and not line.startswith("Set TORCHDYNAMO")]
+    if len(lines) > 1 and lines[0].endswith("raised:"):
+        return lines[1][:300]
+    return f"{type(e).__name__}: {lines[0] if lines else ''}"[:300]
+
+
+def _units(args, kwargs) -> int:
+    """Elements of the batch's first tensor: step times are compared per element."""
+    first = check._first_tensor(list(args) + list(kwargs.values()))
+    return max(first.numel(), 1) if first is not None else 1
+
+
+def _signature(args, kwargs) -> tuple:
+    flat = list(args) + [kwargs[k] for k in sorted(kwargs)]
+    return tuple(tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__ for t in flat)
+
+
+def _device(module: torch.nn.Module, args, kwargs) -> torch.device:
+    first = check._first_tensor(list(args) + list(kwargs.values()))
+    if first is not None:
+        return first.device
+    return next((p.device for p in module.parameters()), torch.device("cpu"))
+
+
+class Autotuner:
+    """The tuned module's ``forward``: measures, then runs the chosen strategy (see the module
+    docstring). One call is one step."""
+
+    def __init__(self, module: torch.nn.Module, config: CompileConfig, group) -> None:
+        self.module, self.config, self.group = module, config, group
+        self.previous = vars(module).get("forward")  # someone else's wrapper, kept and restored
+        self.eager = module.forward
+        self.report = CompileReport(module=type(module).__name__)
+        self.phase = "start"
+        self.step = 0
+        self.by_name: dict[str, Candidate] = {}
+        self.built: dict[str, strategy.Applied] = {}
+        self.pending: deque = deque()
+        self.survivors: list[str] = []
+        self.warm_left = 0
+        self.active: str = "eager"
+        self.timed: tuple | None = None  # (name, start, units) of the step being timed
+        self.search_start = 0.0
+        self.first_signature = None
+        self.shapes_vary = False
+        self.graphs_at_choice = 0
+        self.regions: list = []
+        self.key: dict | None = None
+        setattr(self, _MARKER, True)
+
+    # ------------------------------------------------------------------ the step
+    def __call__(self, *args, **kwargs):
+        now = time.perf_counter()
+        if self.timed is not None:
+            name, start, units = self.timed
+            self.by_name[name].raw_s.append(now - start)
+            self.by_name[name].step_s.append((now - start) / units)
+            self.report.units.append(units)
+            self.timed = None
+        self.step += 1
+        if self.phase == "start":
+            self.search_start = now
+            self._start(args, kwargs)
+        if self.phase == "search":
+            return self._search_step(now, args, kwargs)
+        if self.phase == "verify":
+            self._verify_cached(args, kwargs)
+        return self._run_chosen(args, kwargs)
+
+    # ------------------------------------------------------------------ set-up
+    def _start(self, args, kwargs) -> None:
+        self.first_signature = _signature(args, kwargs)
+        device = _device(self.module, args, kwargs)
+        if self.config.cache:
+            self.key = compile_cache.cache_key(self.module, args, kwargs, device, {"strategies": list(self.config.strategies or ())})
+            entry = compile_cache.load(self._cache_dir(), self.key)
+            if entry and entry.get("chosen") in {s.name for s in strategy.STRATEGIES}:
+                self.report.from_cache = True
+                self.report.cache_file = str(compile_cache._path(self._cache_dir(), self.key))
+                self._choose(entry["chosen"], cached=entry)
+                self.phase = "verify" if entry["chosen"] != "eager" else "chosen"
+                return
+        if self.config.graph_breaks:
+            self._graph_breaks(args, kwargs)
+        blocks = strategy.repeated_blocks(self.module)
+        self.regions = strategy.hook_free_regions(blocks)
+        has_hooks = any(m._forward_pre_hooks or m._forward_hooks for m in self.module.modules())
+        for s in strategy.candidates(device.type, names=self.config.strategies, max_autotune=self.config.max_autotune,
+                                     shapes_vary=True, has_regions=bool(self.regions), has_hooks=has_hooks):
+            self.by_name[s.name] = Candidate(s.name)
+            if s.compiled:
+                self.pending.append(s)
+        self.report.candidates = list(self.by_name.values())
+        self.by_name["eager"].status = "measured"
+        self.survivors = ["eager"]
+        self.phase = "search"
+
+    def _graph_breaks(self, args, kwargs) -> None:
+        try:
+            with check.same_start(self.module):
+                self.report.graph_count, self.report.graph_breaks = diagnose.graph_breaks(self.eager, args, kwargs)
+        except Exception as e:  # noqa: BLE001 - a report, never a reason to stop the run
+            self.report.graph_breaks = [diagnose.GraphBreak(f"explain failed: {type(e).__name__}: {e}"[:300], "?")]
+
+    def _cache_dir(self) -> Path:
+        return Path(self.config.cache_dir) if self.config.cache_dir else compile_cache.default_dir()
+
+    # ------------------------------------------------------------------ search
+    def _search_step(self, now, args, kwargs):
+        signature = _signature(args, kwargs)
+        self.shapes_vary |= signature != self.first_signature
+        if self.warm_left > 0:
+            self.warm_left -= 1
+            return self._call(self.active, args, kwargs)
+        while self.pending:
+            s = self.pending.popleft()
+            if s.dynamic and not self._agree(float(self.shapes_vary)):
+                self.by_name[s.name].status, self.by_name[s.name].reason = "skipped", "batch shapes did not change"
+                continue
+            if self._agree(time.perf_counter() - self.search_start) > self.config.budget_s:
+                self._skip_pending(s, f"search budget of {self.config.budget_s:g} s spent")
+                break
+            ok = self._try(s, args, kwargs)
+            if self._agree(0.0 if ok else 1.0) == 0.0:
+                self.survivors.append(s.name)
+                self.warm_left = self.config.warmup_steps
+                self.active = s.name
+                return self._call(s.name, args, kwargs)
+            self._drop(s.name, ok)
+        timed = [n for n in self.survivors if len(self.by_name[n].step_s) < self.config.measure_rounds]
+        if not timed or len(self.survivors) == 1:
+            self._decide()
+            return self._run_chosen(args, kwargs)
+        name = min(timed, key=lambda n: len(self.by_name[n].step_s))
+        self.timed = (name, now, _units(args, kwargs))
+        return self._call(name, args, kwargs)
+
+    def _try(self, s: strategy.Strategy, args, kwargs) -> bool:
+        """Compile ``s`` and check it against eager on this batch."""
+        cand = self.by_name[s.name]
+        start = time.perf_counter()
+        try:
+            applied = self.built[s.name] = strategy.build(s, self.eager, self.regions)
+            self._check(s.name, args, kwargs)
+        except check.Mismatch as e:
+            cand.status, cand.reason = "rejected", f"mismatch: {e}"
+            return False
+        except Exception as e:  # noqa: BLE001 - a candidate that cannot compile is not chosen
+            cand.status, cand.reason = "failed", _why(e)
+            return False
+        finally:
+            cand.compile_s = time.perf_counter() - start
+        cand.graphs = applied.counter.graphs
+        cand.status = "measured"
+        return True
+
+    def _drop(self, name: str, ok: bool) -> None:
+        if ok:  # it passed here but failed on another rank
+            self.by_name[name].status, self.by_name[name].reason = "rejected", "failed its check on another rank"
+        self.built.pop(name, None)
+
+    def _skip_pending(self, first, reason: str) -> None:
+        for s in [first, *self.pending]:
+            self.by_name[s.name].status, self.by_name[s.name].reason = "skipped", reason
+        self.pending.clear()
+
+    def _decide(self) -> None:
+        names = [c.name for c in self.report.candidates]
+        medians = [self.by_name[n].median() if n in self.survivors else float("inf") for n in names]
+        agreed = self._agree_all(medians)
+        eager = agreed[names.index("eager")]
+        best = min(range(len(names)), key=lambda i: agreed[i])
+        chosen = names[best] if agreed[best] * self.config.min_speedup < eager else "eager"
+        if chosen == "eager" and names[best] != "eager":
+            self.by_name["eager"].reason = f"no candidate beat eager by {self.config.min_speedup:g}x"
+        self.report.search_s = time.perf_counter() - self.search_start
+        self.report.search_steps = self.step - 1
+        self._choose(chosen)
+        if self.key is not None:
+            path = compile_cache.store(self._cache_dir(), self.key, {"chosen": chosen, "report": self.report.to_dict()})
+            self.report.cache_file = str(path) if path else None
+        if self.config.verbose and self._rank() == 0:
+            print(self.report.table(), file=sys.stderr, flush=True)
+
+    def _choose(self, name: str, cached: dict | None = None) -> None:
+        if name not in self.by_name:
+            self.by_name[name] = Candidate(name)
+            self.report.candidates.append(self.by_name[name])
+        for n, applied in list(self.built.items()):
+            if n != name:
+                applied.deactivate()
+                del self.built[n]
+        self.by_name[name].status = "chosen"
+        self.active = name
+        self.report.chosen = name
+        self.report.decided_at_step = self.step
+        self.phase = "chosen"
+        if name != "eager" and name not in self.built:
+            s = next(s for s in strategy.STRATEGIES if s.name == name)
+            self.regions = strategy.hook_free_regions(strategy.repeated_blocks(self.module))
+            self.built[name] = strategy.build(s, self.eager, self.regions)
+        self.graphs_at_choice = self.built[name].counter.graphs if name in self.built else 0
+
+    # ------------------------------------------------------------------ after the choice
+    def _verify_cached(self, args, kwargs) -> None:
+        self.phase = "chosen"
+        try:
+            self._check(self.active, args, kwargs)
+        except Exception as e:  # noqa: BLE001
+            self._fall_back(f"the cached choice {self.active!r} failed its check: {_why(e)}")
+        self.graphs_at_choice = self.built[self.active].counter.graphs if self.active in self.built else 0
+
+    def _run_chosen(self, args, kwargs):
+        name = self.active
+        if name == "eager":
+            return self.eager(*args, **kwargs)
+        every = self.config.check_every
+        if every and self.step % every == 0:
+            try:
+                self._check(name, args, kwargs)
+            except Exception as e:  # noqa: BLE001
+                return self._fall_back(f"step {self.step}: {_why(e)}", args, kwargs)
+        try:
+            out = self._call(name, args, kwargs)
+        except Exception as e:  # noqa: BLE001 - rerun eagerly: eager's own error, if any, is the user's
+            return self._fall_back(f"step {self.step}: {_why(e)}", args, kwargs)
+        new = self.built[name].counter.graphs - self.graphs_at_choice
+        self.report.recompiles = new
+        if new > self.config.max_recompiles:
+            why = "; ".join(self.report.recompile_reasons[-3:]) or "no guard reported"
+            self._fall_back(f"recompile storm: {new} new graphs after the choice (max_recompiles={self.config.max_recompiles}); last guards: {why}")
+        return out
+
+    def _fall_back(self, reason: str, args=None, kwargs=None):
+        applied = self.built.pop(self.active, None)
+        if applied is not None:
+            applied.deactivate()
+        self.report.fallback = reason
+        self.active = "eager"
+        warnings.warn(f"slipstream.compile: {self.report.module} runs eagerly from now on: {reason}",
+                      CompileFallbackWarning, stacklevel=3)
+        return self.eager(*args, **kwargs) if args is not None else None
+
+    # ------------------------------------------------------------------ helpers
+    def _call(self, name: str, args, kwargs):
+        if name == "eager":
+            return self.eager(*args, **kwargs)
+        applied = self.built[name]
+        with self._activated(name):  # regions compile inside the eager forward
+            return (applied.forward or self.eager)(*args, **kwargs)
+
+    def _check(self, name: str, args, kwargs) -> None:
+        """``check.compare`` of ``name`` against eager on this batch (raises on a mismatch)."""
+        check.compare(self.module, self.eager, lambda *a, **k: self._call(name, a, k), args, kwargs)
+
+    @contextlib.contextmanager
+    def _activated(self, name: str):
+        """``name``'s regions switched on, dynamo's limit raised and recompiles watched."""
+        applied = self.built.get(name)
+        with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT), \
+                diagnose.watch_recompiles(self.report.recompile_reasons):
+            if applied is not None:
+                applied.activate()
+            try:
+                yield
+            finally:
+                if applied is not None:
+                    applied.deactivate()
+
+    def _rank(self) -> int:
+        import torch.distributed as dist
+
+        return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+    def _agree(self, value: float) -> float:
+        return self._agree_all([value])[0]
+
+    def _agree_all(self, values: list) -> list:
+        """The maximum over the ranks of each value (one all-reduce; no-op on one process)."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(self.group) == 1:
+            return list(values)
+        t = torch.tensor(values, dtype=torch.float64)
+        if "nccl" in dist.get_backend_config(self.group):
+            t = t.cuda()
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+        return t.cpu().tolist()
+
+
+def compile(model: torch.nn.Module, example=None, *, config: CompileConfig | None = None, group=None) -> torch.nn.Module:
+    """Tune ``model``'s forward by measurement on its first training steps (module docstring).
+
+    Returns ``model`` itself, its ``forward`` replaced (state dict and parameters unchanged).
+    ``model`` may be DDP-wrapped (its inner module is tuned), an FSDP2 or DeepSpeed module (the
+    hook-free regions are compiled). ``example``: a batch (a tuple of arguments or a dict of
+    keyword arguments) to list graph breaks with now, before training. ``group``: the process
+    group whose ranks agree on the choice (None: the world, when initialised). Idempotent."""
+    config = CompileConfig() if config is None else config
+    if not isinstance(config, CompileConfig):
+        raise TypeError(f"config must be a CompileConfig, got {type(config).__name__}")
+    module = _target(model)
+    if not config.enabled or is_compiled(module):
+        return model
+    tuner = Autotuner(module, config, group)
+    if example is not None and config.graph_breaks:
+        args, kwargs = (((), dict(example)) if isinstance(example, dict) else (tuple(example) if isinstance(example, (tuple, list)) else (example,), {}))
+        tuner._graph_breaks(args, kwargs)
+        tuner.config = CompileConfig(**{**vars(config), "graph_breaks": False})
+    module.forward = tuner
+    return model
+
+
+def is_compiled(model: torch.nn.Module) -> bool:
+    return getattr(vars(_target(model)).get("forward"), _MARKER, False)
+
+
+def compile_report(model: torch.nn.Module) -> CompileReport | None:
+    """What ``compile`` measured and chose for ``model`` (None if it was not compiled)."""
+    tuner = vars(_target(model)).get("forward")
+    return tuner.report if getattr(tuner, _MARKER, False) else None
+
+
+def uncompile(model: torch.nn.Module) -> None:
+    """Undo ``compile``: the model's forward is what it was before (no-op if not compiled)."""
+    module = _target(model)
+    tuner = vars(module).get("forward")
+    if not getattr(tuner, _MARKER, False):
+        return
+    for applied in tuner.built.values():
+        applied.deactivate()
+    if tuner.previous is None:
+        del module.forward
+    else:
+        module.forward = tuner.previous

@@ -1,0 +1,98 @@
+"""The compile decision on disk, so the next run of the same job skips the search.
+
+Keyed by what the decision depends on: the model's structure (module classes, parameter
+shapes and dtypes), the first batch's shapes and dtypes, the device (and, on CPU, the
+processor's name), and the versions of torch, Python and slipstream. Anything else is a new
+key, so a changed model or an upgraded torch searches again. One small JSON file per key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+from typing import Mapping
+
+import torch
+
+__all__ = ["cache_key", "default_dir", "load", "store"]
+
+
+def default_dir(environ: Mapping[str, str] = os.environ) -> Path:
+    """``SLIPSTREAM_COMPILE_DIR``, else ``$XDG_CACHE_HOME/slipstream/compile``, else ``~/.cache/...``."""
+    if environ.get("SLIPSTREAM_COMPILE_DIR"):
+        return Path(environ["SLIPSTREAM_COMPILE_DIR"])
+    base = environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "slipstream" / "compile"
+
+
+def _processor() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _signature(value) -> object:
+    if isinstance(value, torch.Tensor):
+        return [list(value.shape), str(value.dtype)]
+    if isinstance(value, Mapping):
+        return {str(k): _signature(v) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
+    if isinstance(value, (tuple, list)):
+        return [_signature(v) for v in value]
+    return type(value).__name__
+
+
+def cache_key(model: torch.nn.Module, args, kwargs, device: torch.device, extra: Mapping = ()) -> dict:
+    """Everything the decision depends on, as a JSON-able dict (its hash names the file)."""
+    from .. import __version__
+
+    structure = [f"{name}:{type(m).__name__}" for name, m in model.named_modules()]
+    params = [f"{name}:{list(p.shape)}:{p.dtype}:{p.requires_grad}" for name, p in model.named_parameters()]
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else _processor()
+    return {
+        "model": hashlib.sha256("\n".join(structure + params).encode()).hexdigest()[:16],
+        "model_class": type(model).__name__,
+        "inputs": _signature([args, kwargs]),
+        "device": f"{device.type}: {device_name}",
+        "torch": torch.__version__,
+        "python": sys.version.split()[0],
+        "slipstream": __version__,
+        **dict(extra),
+    }
+
+
+def _path(directory: Path, key: dict) -> Path:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+    return directory / f"{key['model_class']}-{digest}.json"
+
+
+def load(directory: Path, key: dict) -> dict | None:
+    """The stored decision for ``key``, or None (none stored, unreadable, or for another key)."""
+    try:
+        with open(_path(directory, key), encoding="utf-8") as f:
+            entry = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return entry if isinstance(entry, dict) and entry.get("key") == key else None
+
+
+def store(directory: Path, key: dict, decision: dict) -> Path | None:
+    """Write atomically; a cache that cannot be written is skipped (returns None)."""
+    path = _path(directory, key)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump({"key": key, **decision}, f, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    except OSError:
+        return None
+    return path

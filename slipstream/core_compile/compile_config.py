@@ -1,0 +1,148 @@
+"""The settings of ``slipstream.compile`` and what it reports (see ``autotune``)."""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+
+from . import strategy
+
+__all__ = ["Candidate", "CompileConfig", "CompileFallbackWarning", "CompileReport"]
+
+
+class CompileFallbackWarning(UserWarning):
+    """A compiled module went back to eager during the run; the message says why."""
+
+
+@dataclass(kw_only=True, frozen=True)
+class CompileConfig:
+    enabled: bool = True
+    """False: the model runs as it is (the stacks' ``"compile": {"enabled": false}``)."""
+    strategies: tuple | None = None
+    """Names from ``strategy.STRATEGIES`` to measure besides eager; None: all that apply."""
+    budget_s: float = 600.0
+    """Wall seconds of search (compiling, checking, warm-up) before the remaining candidates
+    are skipped; the timed rounds that follow add ``measure_rounds`` steps per survivor."""
+    warmup_steps: int = 1
+    """Untimed steps of each candidate after its check (a first shape change recompiles)."""
+    measure_rounds: int = 3
+    """Timed steps per surviving candidate, taken in turns; the median is compared."""
+    min_speedup: float = 1.05
+    """A compiled strategy is kept only if its median step beats eager's by this factor."""
+    max_recompiles: int = 8
+    """New graphs after the choice beyond this mean a recompile storm: back to eager."""
+    check_every: int = 500
+    """Steps between checks of the chosen strategy against eager after the choice (0: never)."""
+    max_autotune: bool | None = None
+    """Measure ``max-autotune-no-cudagraphs``: None means on CUDA only (slow to compile on CPU)."""
+    graph_breaks: bool = True
+    """List graph breaks on the first batch (``torch._dynamo.explain``)."""
+    cache: bool = True
+    """Read and write the decision cache."""
+    cache_dir: str | None = None
+    """Where the cache lives; None: ``compile_cache.default_dir()``."""
+    verbose: bool = True
+    """Print the report at the choice (rank 0)."""
+
+    def __post_init__(self) -> None:
+        if self.budget_s <= 0:
+            raise ValueError(f"budget_s must be > 0, got {self.budget_s}")
+        for name in ("warmup_steps", "max_recompiles", "check_every"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.measure_rounds < 1:
+            raise ValueError(f"measure_rounds must be >= 1, got {self.measure_rounds}")
+        if self.min_speedup < 1.0:
+            raise ValueError(f"min_speedup must be >= 1.0 (a compiled strategy slower than eager is never kept), got {self.min_speedup}")
+        if self.strategies is not None:
+            object.__setattr__(self, "strategies", tuple(self.strategies))
+            strategy.candidates("cpu", names=self.strategies)  # unknown names refused here
+
+
+@dataclass
+class Candidate:
+    name: str
+    status: str = "pending"
+    """pending | measured | chosen | rejected | skipped | failed"""
+    reason: str = ""
+    compile_s: float = 0.0
+    graphs: int = 0
+    step_s: list = field(default_factory=list)
+    """Timed steps, seconds per element of the batch."""
+    raw_s: list = field(default_factory=list)
+    """Timed steps, seconds."""
+
+    def median(self) -> float:
+        return statistics.median(self.step_s) if self.step_s else float("inf")
+
+
+@dataclass
+class CompileReport:
+    module: str
+    chosen: str = "eager"
+    from_cache: bool = False
+    decided_at_step: int | None = None
+    candidates: list = field(default_factory=list)
+    graph_count: int | None = None
+    graph_breaks: list = field(default_factory=list)
+    recompiles: int = 0
+    recompile_reasons: list = field(default_factory=list)
+    search_s: float = 0.0
+    search_steps: int = 0
+    fallback: str | None = None
+    cache_file: str | None = None
+    units: list = field(default_factory=list)
+    """Elements of each timed step's batch."""
+
+    def step_ms(self, name: str) -> float | None:
+        """``name``'s median step time, per element, scaled to the median timed batch."""
+        by = {c.name: c for c in self.candidates}
+        if name not in by or not by[name].step_s:
+            return None
+        return by[name].median() * statistics.median(self.units) * 1e3
+
+    def speedup(self, name: str) -> float | None:
+        by = {c.name: c for c in self.candidates}
+        if name not in by or "eager" not in by or not by[name].step_s or not by["eager"].step_s:
+            return None
+        return by["eager"].median() / by[name].median()
+
+    def overhead_s(self) -> float:
+        """Search time beyond what the same steps take with the chosen strategy."""
+        by = {c.name: c for c in self.candidates}
+        chosen = by.get(self.chosen)
+        per_step = statistics.median(chosen.raw_s) if chosen is not None and chosen.raw_s else 0.0
+        return max(self.search_s - self.search_steps * per_step, 0.0)
+
+    def table(self) -> str:
+        head = f"slipstream.compile {self.module}: " + (
+            f"{self.chosen} (from the cache {self.cache_file}; no search)" if self.from_cache
+            else f"{self.chosen}, chosen at step {self.decided_at_step} after a {self.search_s:.1f} s search "
+                 f"({self.overhead_s():.1f} s more than {self.search_steps} steps of {self.chosen})")
+        rows = ["| strategy | status | step ms | vs eager | compile s | graphs | note |",
+                "|---|---|---:|---:|---:|---:|---|"]
+        for c in self.candidates:
+            ms = f"{self.step_ms(c.name):.1f}" if c.step_s else "-"
+            sp = self.speedup(c.name)
+            rows.append(f"| {c.name} | {c.status} | {ms} | {f'{sp:.2f}x' if sp else '-'} | {c.compile_s:.1f} | {c.graphs} | {c.reason} |")
+        lines = [head, *rows]
+        if self.graph_count is not None:
+            lines.append(f"graphs per step: {self.graph_count}; graph breaks: {len(self.graph_breaks)}")
+            lines += [f"  - {b.where}: {b.reason}" for b in self.graph_breaks[:10]]
+        lines.append(f"new graphs after the choice: {self.recompiles}; guards that failed: {len(self.recompile_reasons)}"
+                     + "".join(f"\n  - {r}" for r in self.recompile_reasons[:10]))
+        if self.fallback:
+            lines.append(f"fallback to eager: {self.fallback}")
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        return {
+            "module": self.module, "chosen": self.chosen, "from_cache": self.from_cache,
+            "decided_at_step": self.decided_at_step, "search_s": self.search_s, "search_steps": self.search_steps,
+            "overhead_s": self.overhead_s(), "fallback": self.fallback, "cache_file": self.cache_file,
+            "graph_count": self.graph_count, "graph_breaks": [{"reason": b.reason, "where": b.where} for b in self.graph_breaks],
+            "recompiles": self.recompiles, "recompile_reasons": list(self.recompile_reasons),
+            "candidates": [{"name": c.name, "status": c.status, "reason": c.reason, "compile_s": c.compile_s,
+                            "graphs": c.graphs, "step_ms": self.step_ms(c.name),
+                            "speedup": self.speedup(c.name)} for c in self.candidates],
+        }

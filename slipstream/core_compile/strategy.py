@@ -1,0 +1,179 @@
+"""Compile strategies: what ``slipstream.compile`` measures, and how each is switched on and off.
+
+A strategy is a row of ``STRATEGIES``: eager, or ``torch.compile`` with a mode, a shape policy
+and a scope. The scope is either the whole ``forward`` or the *regions*: the repeated blocks of
+the model (the layers of a ``ModuleList``/``Sequential`` of two or more modules of one class),
+compiled one by one. Regions compile once for identical layers (dynamo treats a module's
+parameters as inputs) and stay valid when a stack wraps the model; whole-model graphs are
+larger but cut by every hook.
+
+Modules that carry forward hooks (ZeRO-3 and FSDP2 gather parameters in them) are never
+compiled themselves: the hook-free parts inside them are (``hook_free_regions``), so a wrapped
+model still gets its element-wise work fused.
+
+Every compiled strategy compiles through a counting backend (``Counter``): each graph it
+builds is counted and timed, so recompiles are seen whatever torch's logging says.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["STRATEGIES", "Counter", "Strategy", "candidates", "hook_free_regions", "repeated_blocks"]
+
+
+@dataclass(frozen=True)
+class Strategy:
+    name: str
+    """Shown in reports and stored in the cache."""
+    compiled: bool = True
+    scope: str = "model"
+    """``"model"``: the model's ``forward``; ``"regions"``: each repeated block's."""
+    mode: str | None = None
+    """``torch.compile`` mode (None: inductor's default)."""
+    dynamic: bool | None = None
+    """``torch.compile(dynamic=)``: None is torch's default (static, then dynamic on a shape
+    change); True compiles one graph for every length from the start."""
+    devices: tuple = ("cpu", "cuda")
+    """Device types it is a candidate on."""
+    opt_in: bool = False
+    """Measured only when ``CompileConfig.max_autotune`` asks (its compile time is long)."""
+
+
+STRATEGIES = (
+    Strategy("eager", compiled=False),
+    Strategy("inductor"),
+    Strategy("regions", scope="regions"),
+    Strategy("max-autotune", mode="max-autotune-no-cudagraphs", opt_in=True),
+    # CUDA graphs replay one recorded launch sequence: static shapes only.
+    Strategy("cudagraphs", mode="reduce-overhead", dynamic=False, devices=("cuda",)),
+    # Last: by their turn the search has seen whether the batches change shape.
+    Strategy("inductor-dynamic", dynamic=True),
+    Strategy("regions-dynamic", scope="regions", dynamic=True),
+)
+
+
+def candidates(device_type: str, *, names=None, max_autotune: bool | None = None,
+               shapes_vary: bool = False, has_regions: bool = False, has_hooks: bool = False) -> list[Strategy]:
+    """The strategies worth measuring for this model and device, eager first.
+
+    ``max_autotune=None`` measures it on CUDA only (on CPU its GEMM search costs minutes).
+    Dynamic variants are measured only when the batches seen so far changed shape. A model
+    whose own modules carry hooks is compiled by regions only."""
+    by_name = {s.name: s for s in STRATEGIES}
+    if names is not None:
+        unknown = [n for n in names if n not in by_name]
+        if unknown:
+            raise ValueError(f"unknown compile strategy {unknown[0]!r}; known: {', '.join(by_name)}")
+        return [by_name["eager"]] + [by_name[n] for n in names if n != "eager"]
+    autotune = device_type == "cuda" if max_autotune is None else max_autotune
+    keep = []
+    for s in STRATEGIES:
+        if device_type not in s.devices or (s.opt_in and not autotune):
+            continue
+        if s.dynamic and not shapes_vary:
+            continue
+        if s.scope == "regions" and not has_regions:
+            continue
+        if s.compiled and s.scope == "model" and has_hooks:
+            continue
+        keep.append(s)
+    return keep
+
+
+class Counter:
+    """A ``torch.compile`` backend that counts and times the graphs inductor builds."""
+
+    def __init__(self, mode: str | None) -> None:
+        self.mode = mode
+        self.graphs = 0
+        self.seconds = 0.0
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs):
+        from torch._inductor import list_mode_options
+        from torch._inductor.compile_fx import compile_fx
+
+        self.graphs += 1
+        start = time.perf_counter()
+        try:
+            return compile_fx(gm, example_inputs, config_patches=list_mode_options(self.mode or "default"))
+        finally:
+            self.seconds += time.perf_counter() - start
+
+
+def _has_hooks(module: torch.nn.Module) -> bool:
+    return bool(module._forward_pre_hooks or module._forward_hooks)
+
+
+def _subtree_has_hooks(module: torch.nn.Module) -> bool:
+    return any(_has_hooks(m) for m in module.modules())
+
+
+def repeated_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The layers of every ``ModuleList``/``Sequential`` holding two or more modules of one
+    class (a transformer's layers, a ResNet stage's bottlenecks), outermost first."""
+    found, seen = [], set()
+    for module in model.modules():
+        if not isinstance(module, (torch.nn.ModuleList, torch.nn.Sequential)) or id(module) in seen:
+            continue
+        kids = list(module.children())
+        classes = {type(k) for k in kids}
+        if len(kids) >= 2 and len(classes) == 1 and not any(isinstance(k, (torch.nn.ModuleList, torch.nn.Sequential)) for k in kids):
+            found.extend(kids)
+            seen.update(id(m) for k in kids for m in k.modules())
+    return found
+
+
+def hook_free_regions(blocks: list[torch.nn.Module]) -> list[torch.nn.Module]:
+    """Each block, or where a block carries hooks, the largest hook-free modules inside it that
+    hold parameters (so a hook never runs inside a graph)."""
+    regions = []
+    for block in blocks:
+        regions.extend(_largest_hook_free(block))
+    return regions
+
+
+def _largest_hook_free(module: torch.nn.Module) -> list[torch.nn.Module]:
+    if not _subtree_has_hooks(module):
+        return [module] if any(True for _ in module.parameters()) else []
+    found = []
+    for child in module.children():
+        found.extend(_largest_hook_free(child))
+    return found
+
+
+@dataclass
+class Applied:
+    """A compiled strategy's callables, built once and switched on per step."""
+
+    strategy: Strategy
+    counter: Counter
+    forward: object = None
+    """The compiled ``forward`` (scope ``"model"``)."""
+    regions: list = field(default_factory=list)
+    """(module, compiled forward) pairs (scope ``"regions"``)."""
+
+    def activate(self) -> None:
+        for module, compiled in self.regions:
+            module.forward = compiled
+
+    def deactivate(self) -> None:
+        for module, _ in self.regions:
+            vars(module).pop("forward", None)
+
+
+def build(strategy: Strategy, eager_forward, regions: list[torch.nn.Module]) -> Applied:
+    """Compile ``strategy`` lazily (``torch.compile`` compiles at the first call)."""
+    counter = Counter(strategy.mode)
+    applied = Applied(strategy, counter)
+    if strategy.scope == "model":
+        applied.forward = torch.compile(eager_forward, backend=counter, dynamic=strategy.dynamic)
+    else:
+        for module in regions:
+            if "forward" in vars(module):
+                raise RuntimeError(f"{type(module).__name__}.forward is already wrapped by someone else")
+            applied.regions.append((module, torch.compile(module.forward, backend=counter, dynamic=strategy.dynamic)))
+    return applied
