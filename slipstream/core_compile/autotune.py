@@ -138,11 +138,16 @@ class Autotuner:
             if entry and entry.get("chosen") in {s.name for s in strategy.STRATEGIES}:
                 self.report.from_cache = True
                 self.report.cache_file = str(compile_cache._path(self._cache_dir(), self.key))
-                self._choose(entry["chosen"], cached=entry)
+                self._choose(entry["chosen"])
                 self.phase = "verify" if entry["chosen"] != "eager" else "chosen"
                 return
         if self.config.graph_breaks:
             self._graph_breaks(args, kwargs)
+        if self.config.strategy is not None:
+            self._choose(self.config.strategy)
+            self.by_name[self.config.strategy].reason = "named by CompileConfig.strategy: no search"
+            self.phase = "verify" if self.config.strategy != "eager" else "chosen"
+            return
         blocks = strategy.repeated_blocks(self.module)
         self.regions = strategy.hook_free_regions(blocks)
         has_hooks = any(m._forward_pre_hooks or m._forward_hooks for m in self.module.modules())
@@ -243,7 +248,7 @@ class Autotuner:
         if self.config.verbose and self._rank() == 0:
             print(self.report.table(), file=sys.stderr, flush=True)
 
-    def _choose(self, name: str, cached: dict | None = None) -> None:
+    def _choose(self, name: str) -> None:
         if name not in self.by_name:
             self.by_name[name] = Candidate(name)
             self.report.candidates.append(self.by_name[name])
@@ -265,10 +270,12 @@ class Autotuner:
     # ------------------------------------------------------------------ after the choice
     def _verify_cached(self, args, kwargs) -> None:
         self.phase = "chosen"
+        start = time.perf_counter()
         try:
             self._check(self.active, args, kwargs)
+            self.by_name[self.active].compile_s = time.perf_counter() - start
         except Exception as e:  # noqa: BLE001
-            self._fall_back(f"the cached choice {self.active!r} failed its check: {_why(e)}")
+            self._fall_back(f"{self.active!r} ({'cached' if self.report.from_cache else 'named'}) failed its check against eager: {_why(e)}")
         self.graphs_at_choice = self.built[self.active].counter.graphs if self.active in self.built else 0
 
     def _run_chosen(self, args, kwargs):
@@ -285,6 +292,7 @@ class Autotuner:
             out = self._call(name, args, kwargs)
         except Exception as e:  # noqa: BLE001 - rerun eagerly: eager's own error, if any, is the user's
             return self._fall_back(f"step {self.step}: {_why(e)}", args, kwargs)
+        self.by_name[name].graphs = self.built[name].counter.graphs
         new = self.built[name].counter.graphs - self.graphs_at_choice
         self.report.recompiles = new
         if new > self.config.max_recompiles:

@@ -20,6 +20,9 @@ class CompileConfig:
     """False: the model runs as it is (the stacks' ``"compile": {"enabled": false}``)."""
     strategies: tuple | None = None
     """Names from ``strategy.STRATEGIES`` to measure besides eager; None: all that apply."""
+    strategy: str | None = None
+    """Skip the search and use this strategy (still checked against eager at the first step,
+    still put back on eager on any failure)."""
     budget_s: float = 600.0
     """Wall seconds of search (compiling, checking, warm-up) before the remaining candidates
     are skipped; the timed rounds that follow add ``measure_rounds`` steps per survivor."""
@@ -54,6 +57,8 @@ class CompileConfig:
             raise ValueError(f"measure_rounds must be >= 1, got {self.measure_rounds}")
         if self.min_speedup < 1.0:
             raise ValueError(f"min_speedup must be >= 1.0 (a compiled strategy slower than eager is never kept), got {self.min_speedup}")
+        if self.strategy is not None:
+            strategy.candidates("cpu", names=(self.strategy,))
         if self.strategies is not None:
             object.__setattr__(self, "strategies", tuple(self.strategies))
             strategy.candidates("cpu", names=self.strategies)  # unknown names refused here

@@ -1,0 +1,296 @@
+"""slipstream.compile: the measured choice trains like eager, and every failure goes back to eager.
+
+The reference is the same model trained eagerly from the same weights on the same batches.
+Tolerances: inductor reorders float32 sums, so losses agree to ~1e-6 relative and weights after
+a few SGD steps to ~1e-5 (measured here: 3e-7 and 2e-6); the checks use 10x that.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+import slipstream
+from _dist import from_bytes, run_ranks, to_bytes
+from slipstream import CompileConfig
+from slipstream.core_compile import CompileFallbackWarning, strategy
+
+pytestmark = pytest.mark.skipif(
+    __import__("slipstream.core_compile.fuse", fromlist=["compiler_problem"]).compiler_problem("cpu") is not None,
+    reason="torch.compile cannot run on this machine's CPU (no C++ compiler)")
+
+
+class Block(torch.nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(d)
+        self.up = torch.nn.Linear(d, 2 * d)
+        self.down = torch.nn.Linear(2 * d, d)
+
+    def forward(self, x):
+        return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+
+
+class Net(torch.nn.Module):
+    """Repeated blocks (regions), a BatchNorm (buffers the check must put back), a loss."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.bn = torch.nn.BatchNorm1d(d)
+        self.blocks = torch.nn.ModuleList(Block(d) for _ in range(3))
+        self.head = torch.nn.Linear(d, 4)
+        self.scale = 1  # a Python int: changing it changes dynamo's guards (the storm test)
+        self.skew = False  # change the numbers inside compiled code only (the mismatch test)
+
+    def forward(self, x, y):
+        x = self.bn(x.transpose(1, 2)).transpose(1, 2) * self.scale
+        for block in self.blocks:
+            x = block(x)
+        if torch.compiler.is_compiling():
+            if self.skew:
+                x = x * 1.01
+        return torch.nn.functional.cross_entropy(self.head(x).flatten(0, 1), y.flatten())
+
+
+def _batches(n: int, lengths=(12,), seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(4, lengths[i % len(lengths)], 16, generator=g),
+             torch.randint(0, 4, (4, lengths[i % len(lengths)]), generator=g)) for i in range(n)]
+
+
+def _train(model, batches, on_step=None):
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    losses = []
+    for i, (x, y) in enumerate(batches):
+        if on_step:
+            on_step(i, model)
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return torch.tensor(losses), model.state_dict()
+
+
+def _pair(seed: int = 0):
+    torch.manual_seed(seed)
+    eager = Net()
+    return eager, copy.deepcopy(eager)
+
+
+def _close(ours, ref, rtol=1e-5):
+    torch.testing.assert_close(ours[0], ref[0], rtol=rtol, atol=1e-6)
+    for k, v in ref[1].items():
+        torch.testing.assert_close(ours[1][k].float(), v.float(), rtol=10 * rtol, atol=1e-5, msg=k)
+
+
+def _cfg(tmp_path, **kw):
+    return CompileConfig(cache_dir=str(tmp_path / "cache"), verbose=False, **kw)
+
+
+@pytest.mark.parametrize("name", ["inductor", "regions", "inductor-dynamic"])
+def test_each_strategy_trains_like_eager(tmp_path, name):
+    eager, model = _pair()
+    batches = _batches(5, lengths=(12, 8))
+    ref = _train(eager, batches)
+    slipstream.compile(model, config=_cfg(tmp_path, strategy=name, cache=False))
+    ours = _train(model, batches)
+    report = slipstream.compile_report(model)
+    assert report.chosen == name and report.fallback is None, report.table()
+    assert next(c for c in report.candidates if c.name == name).graphs >= 1  # it really compiled
+    _close(ours, ref)
+
+
+def test_search_measures_the_candidates_and_trains_like_eager(tmp_path):
+    eager, model = _pair()
+    batches = _batches(24, lengths=(12, 8))
+    ref = _train(eager, batches)
+    slipstream.compile(model, config=_cfg(tmp_path, cache=False, measure_rounds=2))
+    ours = _train(model, batches)
+    report = slipstream.compile_report(model)
+    by = {c.name: c for c in report.candidates}
+    assert {"eager", "inductor", "regions", "inductor-dynamic", "regions-dynamic"} <= set(by), report.table()
+    assert by[report.chosen].status == "chosen" and report.decided_at_step is not None
+    measured = [c for c in report.candidates if c.status in ("measured", "chosen")]
+    assert all(len(c.step_s) == 2 for c in measured), report.table()  # every survivor timed twice
+    assert report.speedup("eager") == 1.0 and report.search_s > 0
+    if report.chosen != "eager":  # kept only when it beat eager's median by min_speedup
+        assert report.speedup(report.chosen) >= 1.05
+    assert "| strategy |" in report.table() and report.to_dict()["chosen"] == report.chosen
+    _close(ours, ref)
+
+
+def test_a_compile_error_in_every_candidate_leaves_eager_with_eager_numbers(tmp_path, monkeypatch):
+    def broken(self, gm, example_inputs):
+        raise RuntimeError("forced backend failure")
+
+    monkeypatch.setattr(strategy.Counter, "__call__", broken)
+    eager, model = _pair()
+    batches = _batches(6)
+    ref = _train(eager, batches)
+    slipstream.compile(model, config=_cfg(tmp_path, cache=False))
+    ours = _train(model, batches)
+    report = slipstream.compile_report(model)
+    assert report.chosen == "eager"
+    assert all(c.status == "failed" and "forced backend failure" in c.reason
+               for c in report.candidates if c.name in ("inductor", "regions")), report.table()
+    assert torch.equal(ours[0], ref[0])  # nothing but eager ran
+
+
+def test_a_compile_error_after_the_choice_falls_back_once_and_the_run_goes_on(tmp_path, monkeypatch):
+    def broken(self, gm, example_inputs):
+        raise RuntimeError("forced backend failure at a recompile")
+
+    def from_step_3(i, m):  # a new scale recompiles, and the backend now fails
+        if i == 3:
+            m.scale = 2
+            monkeypatch.setattr(strategy.Counter, "__call__", broken)
+
+    eager, model = _pair()
+    batches = _batches(6)
+    ref = _train(eager, batches, on_step=lambda i, m: setattr(m, "scale", 2 if i >= 3 else 1))
+    slipstream.compile(model, config=_cfg(tmp_path, strategy="inductor", cache=False))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ours = _train(model, batches, on_step=from_step_3)
+    fallbacks = [w for w in caught if issubclass(w.category, CompileFallbackWarning)]
+    assert len(fallbacks) == 1 and "forced backend failure at a recompile" in str(fallbacks[0].message)
+    assert slipstream.compile_report(model).fallback.startswith("step 4")
+    _close(ours, ref)
+
+
+def test_a_mismatch_found_by_the_periodic_check_falls_back_to_eager(tmp_path):
+    eager, model = _pair()
+    batches = _batches(6)
+    ref = _train(eager, batches)
+    slipstream.compile(model, config=_cfg(tmp_path, strategy="inductor", cache=False, check_every=3))
+    with pytest.warns(CompileFallbackWarning, match="loss .* vs eager"):
+        # the skew starts at the checked step: no skewed step is ever applied
+        ours = _train(model, batches, on_step=lambda i, m: setattr(m, "skew", i >= 2))
+    assert "Mismatch" in slipstream.compile_report(model).fallback
+    _close(ours, ref)
+
+
+def test_a_skewed_candidate_is_rejected_by_the_search(tmp_path):
+    eager, model = _pair()
+    model.skew = eager.skew = True  # only compiled code sees it
+    batches = _batches(10)
+    ref = _train(eager, batches)
+    slipstream.compile(model, config=_cfg(tmp_path, cache=False, strategies=("inductor",)))
+    ours = _train(model, batches)
+    by = {c.name: c for c in slipstream.compile_report(model).candidates}
+    assert by["inductor"].status == "rejected" and "mismatch" in by["inductor"].reason
+    assert torch.equal(ours[0], ref[0])
+
+
+def test_a_recompile_storm_falls_back_with_the_guard_that_failed(tmp_path):
+    eager, model = _pair()
+    batches = _batches(8)
+    bump = lambda i, m: setattr(m, "scale", 1 + i % 2 + i // 2)  # noqa: E731 - a new int every other step
+    ref = _train(eager, batches, on_step=bump)
+    slipstream.compile(model, config=_cfg(tmp_path, strategy="inductor", cache=False, max_recompiles=2))
+    with pytest.warns(CompileFallbackWarning, match="recompile storm"):
+        ours = _train(model, batches, on_step=bump)
+    report = slipstream.compile_report(model)
+    assert any("scale" in r for r in report.recompile_reasons), report.recompile_reasons
+    _close(ours, ref)
+
+
+def test_the_decision_is_cached_and_a_new_shape_or_version_searches_again(tmp_path, monkeypatch):
+    cfg = _cfg(tmp_path, strategies=("inductor",), measure_rounds=1)
+    _, first = _pair()
+    slipstream.compile(first, config=cfg)
+    _train(first, _batches(6))
+    chosen = slipstream.compile_report(first).chosen
+    assert slipstream.compile_report(first).cache_file
+
+    _, again = _pair(seed=1)  # same structure, other weights: a hit
+    slipstream.compile(again, config=cfg)
+    _train(again, _batches(2))
+    report = slipstream.compile_report(again)
+    assert report.from_cache and report.chosen == chosen and report.search_steps == 0
+    assert "from the cache" in report.table()
+
+    _, longer = _pair()
+    slipstream.compile(longer, config=cfg)
+    _train(longer, _batches(2, lengths=(20,)))
+    assert not slipstream.compile_report(longer).from_cache
+
+    monkeypatch.setattr(torch, "__version__", torch.__version__ + ".changed")
+    _, upgraded = _pair()
+    slipstream.compile(upgraded, config=cfg)
+    _train(upgraded, _batches(2))
+    assert not slipstream.compile_report(upgraded).from_cache
+
+
+class Breaks(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        x = self.lin(x)
+        if x.sum().item() > 0:  # data-dependent branch: a graph break here
+            x = x * 2
+        return x.square().mean()
+
+
+def test_graph_breaks_are_reported_with_their_place(tmp_path):
+    model = Breaks()
+    slipstream.compile(model, example=(torch.randn(2, 8),), config=_cfg(tmp_path, cache=False))
+    report = slipstream.compile_report(model)
+    assert report.graph_breaks and report.graph_count >= 2
+    assert any(b.where.startswith(__file__) for b in report.graph_breaks), report.graph_breaks
+    assert "graph breaks" in report.table()
+
+
+def test_uncompile_restores_the_forward_and_compile_is_idempotent(tmp_path):
+    model = Net()
+    original = model.forward
+    slipstream.compile(model, config=_cfg(tmp_path))
+    tuner = model.forward
+    slipstream.compile(model, config=_cfg(tmp_path))
+    assert model.forward is tuner
+    slipstream.uncompile(model)
+    assert "forward" not in vars(model) and model.forward == original
+    assert slipstream.compile_report(model) is None
+    slipstream.uncompile(model)  # no-op
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(budget_s=0), "budget_s"), (dict(measure_rounds=0), "measure_rounds"),
+    (dict(min_speedup=0.9), "min_speedup"), (dict(strategies=("fast",)), "unknown compile strategy 'fast'"),
+    (dict(strategy="turbo"), "unknown compile strategy 'turbo'"), (dict(check_every=-1), "check_every"),
+])
+def test_bad_settings_are_refused_by_name(bad, match):
+    with pytest.raises(ValueError, match=match):
+        CompileConfig(**bad)
+
+
+def _ddp_rank(rank, world, cache_dir):
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    ref = Net()
+    model = copy.deepcopy(ref)
+    batches = _batches(12, lengths=(12, 8), seed=rank)
+    eager = _train(DistributedDataParallel(ref), batches)
+    ddp = slipstream.compile(DistributedDataParallel(model),
+                             config=CompileConfig(cache_dir=cache_dir, verbose=False, measure_rounds=1,
+                                                  strategies=("inductor", "regions")))
+    ours = _train(ddp, batches)
+    report = slipstream.compile_report(ddp)
+    dist.barrier()
+    return to_bytes({"eager": eager, "ours": ours, "chosen": report.chosen,
+                     "statuses": {c.name: c.status for c in report.candidates}})
+
+
+def test_ddp_ranks_agree_on_the_choice_and_train_like_eager_ddp(tmp_path):
+    out = from_bytes(run_ranks(_ddp_rank, 2, str(tmp_path / "cache"), timeout=600))
+    assert out[0]["chosen"] == out[1]["chosen"] and out[0]["statuses"] == out[1]["statuses"]
+    for o in out:
+        _close(o["ours"], o["eager"])
