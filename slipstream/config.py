@@ -7,6 +7,7 @@ DeepSpeed JSON, an accelerate plugin, Megatron arguments); all of them are parse
         "enabled": true,
         "comm":   {"shm": true, "chunk_bytes": 4194304, ...},   # fields of CommConfig
         "varlen": {"enabled": true, "backend": "auto"},         # fields of VarlenConfig
+        "compile": {"enabled": true, "budget_s": 300},           # fields of CompileConfig
         "keep_freed_memory": true                               # on CPU: see cpu_memory.py
     }
 """
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
 from .core_comm.config import CommConfig, check_field
+from .core_compile.compile_config import CompileConfig
 from .core_compile.varlen import VarlenConfig
 
 __all__ = ["CONFIG_VAR", "SlipstreamConfig", "config_from_env", "load_config_file", "resolve_comm"]
@@ -34,6 +36,8 @@ class SlipstreamConfig:
     """Collectives: routed through the core's communicator."""
     varlen: VarlenConfig | None = None
     """Padding removal; None leaves the model as it is."""
+    compile: CompileConfig | None = None
+    """The compile strategy chosen by measurement (``slipstream.compile``); None: no compile."""
     keep_freed_memory: bool = True
     """On a CPU accelerator, keep the memory tensors free in the process for the next step
     (``slipstream.cpu_memory``): fewer page faults a step, resident memory stays at its peak."""
@@ -50,16 +54,27 @@ class SlipstreamConfig:
         if section is None:
             return cls(enabled=False)
         _require_mapping(section, where)
-        _reject_unknown(section, {"enabled", "comm", "varlen", "keep_freed_memory"}, where)
+        _reject_unknown(section, {"enabled", "comm", "varlen", "compile", "keep_freed_memory"}, where)
         enabled = _typed(section.get("enabled", True), bool, f"{where}.enabled")
         comm = resolve_comm(code=code, section=section.get("comm", {}), where=f"{where}.comm", environ=environ)
-        varlen_section = section.get("varlen", {})
-        _require_mapping(varlen_section, f"{where}.varlen")
-        varlen_section = dict(varlen_section)
-        varlen_on = _typed(varlen_section.pop("enabled", bool(varlen_section)), bool, f"{where}.varlen.enabled")
-        varlen = _dataclass_from(VarlenConfig, varlen_section, f"{where}.varlen", extra={"enabled"}) if varlen_on else None
+        varlen = _optional_part(VarlenConfig, section, "varlen", where)
+        compiled = _optional_part(CompileConfig, section, "compile", where, kinds=_COMPILE_KINDS)
         keep = _typed(section.get("keep_freed_memory", True), bool, f"{where}.keep_freed_memory")
-        return cls(enabled=enabled, comm=comm, varlen=varlen, keep_freed_memory=keep)
+        return cls(enabled=enabled, comm=comm, varlen=varlen, compile=compiled, keep_freed_memory=keep)
+
+
+# CompileConfig fields whose default (None) does not say their type
+_COMPILE_KINDS = {"strategies": list, "strategy": str, "max_autotune": bool, "cache_dir": str}
+
+
+def _optional_part(cls, section: Mapping, key: str, where: str, kinds: Mapping = {}):
+    """``section[key]`` as a ``cls``, or None when absent or ``"enabled": false``; a part with
+    settings and no ``"enabled"`` is on."""
+    part = section.get(key, {})
+    _require_mapping(part, f"{where}.{key}")
+    part = dict(part)
+    on = _typed(part.pop("enabled", bool(part)), bool, f"{where}.{key}.enabled")
+    return _dataclass_from(cls, part, f"{where}.{key}", extra={"enabled"}, kinds=kinds) if on else None
 
 
 CONFIG_VAR = "SLIPSTREAM_CONFIG"
@@ -149,11 +164,11 @@ def _typed(value, kind: type, where: str):
     return value
 
 
-def _dataclass_from(cls, section, where: str, extra: set = frozenset()):
+def _dataclass_from(cls, section, where: str, extra: set = frozenset(), kinds: Mapping = {}):
     _require_mapping(section, where)
     by_name = {f.name: f for f in fields(cls)}
     _reject_unknown(section, set(by_name) | extra, where)
-    values = {k: _typed(v, type(by_name[k].default), f"{where}.{k}") for k, v in section.items()}
+    values = {k: _typed(v, kinds.get(k, type(by_name[k].default)), f"{where}.{k}") for k, v in section.items()}
     try:
         return cls(**values)
     except ValueError as e:

@@ -140,6 +140,7 @@ class Autotuner:
                 self.report.cache_file = str(compile_cache._path(self._cache_dir(), self.key))
                 self._choose(entry["chosen"])
                 self.phase = "verify" if entry["chosen"] != "eager" else "chosen"
+                self._say()
                 return
         if self.config.graph_breaks:
             self._graph_breaks(args, kwargs)
@@ -233,7 +234,9 @@ class Autotuner:
     def _decide(self) -> None:
         names = [c.name for c in self.report.candidates]
         medians = [self.by_name[n].median() if n in self.survivors else float("inf") for n in names]
-        agreed = self._agree_all(medians)
+        agreed = self._agree_all(medians, mean=True)  # every rank decides on the ranks' mean
+        for n, score in zip(names, agreed):
+            self.by_name[n].score = score
         eager = agreed[names.index("eager")]
         best = min(range(len(names)), key=lambda i: agreed[i])
         chosen = names[best] if agreed[best] * self.config.min_speedup < eager else "eager"
@@ -245,6 +248,9 @@ class Autotuner:
         if self.key is not None:
             path = compile_cache.store(self._cache_dir(), self.key, {"chosen": chosen, "report": self.report.to_dict()})
             self.report.cache_file = str(path) if path else None
+        self._say()
+
+    def _say(self) -> None:
         if self.config.verbose and self._rank() == 0:
             print(self.report.table(), file=sys.stderr, flush=True)
 
@@ -344,8 +350,9 @@ class Autotuner:
     def _agree(self, value: float) -> float:
         return self._agree_all([value])[0]
 
-    def _agree_all(self, values: list) -> list:
-        """The maximum over the ranks of each value (one all-reduce; no-op on one process)."""
+    def _agree_all(self, values: list, mean: bool = False) -> list:
+        """The maximum (or the mean) over the ranks of each value (one all-reduce; no-op on one
+        process). An infinite value (not measured) stays infinite either way."""
         import torch.distributed as dist
 
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(self.group) == 1:
@@ -353,8 +360,8 @@ class Autotuner:
         t = torch.tensor(values, dtype=torch.float64)
         if "nccl" in dist.get_backend_config(self.group):
             t = t.cuda()
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
-        return t.cpu().tolist()
+        dist.all_reduce(t, op=dist.ReduceOp.SUM if mean else dist.ReduceOp.MAX, group=self.group)
+        return (t / dist.get_world_size(self.group) if mean else t).cpu().tolist()
 
 
 def compile(model: torch.nn.Module, example=None, *, config: CompileConfig | None = None, group=None) -> torch.nn.Module:

@@ -28,7 +28,7 @@ class CompileConfig:
     are skipped; the timed rounds that follow add ``measure_rounds`` steps per survivor."""
     warmup_steps: int = 1
     """Untimed steps of each candidate after its check (a first shape change recompiles)."""
-    measure_rounds: int = 3
+    measure_rounds: int = 5
     """Timed steps per surviving candidate, taken in turns; the median is compared."""
     min_speedup: float = 1.05
     """A compiled strategy is kept only if its median step beats eager's by this factor."""
@@ -76,9 +76,14 @@ class Candidate:
     """Timed steps, seconds per element of the batch."""
     raw_s: list = field(default_factory=list)
     """Timed steps, seconds."""
+    score: float | None = None
+    """What the choice compared: the median of ``step_s``, averaged over the ranks."""
 
     def median(self) -> float:
         return statistics.median(self.step_s) if self.step_s else float("inf")
+
+    def compared(self) -> float:
+        return self.score if self.score is not None else self.median()
 
 
 @dataclass
@@ -100,17 +105,18 @@ class CompileReport:
     """Elements of each timed step's batch."""
 
     def step_ms(self, name: str) -> float | None:
-        """``name``'s median step time, per element, scaled to the median timed batch."""
+        """``name``'s median step time per element (the ranks' mean), scaled to the median
+        timed batch of this rank."""
         by = {c.name: c for c in self.candidates}
         if name not in by or not by[name].step_s:
             return None
-        return by[name].median() * statistics.median(self.units) * 1e3
+        return by[name].compared() * statistics.median(self.units) * 1e3
 
     def speedup(self, name: str) -> float | None:
         by = {c.name: c for c in self.candidates}
         if name not in by or "eager" not in by or not by[name].step_s or not by["eager"].step_s:
             return None
-        return by["eager"].median() / by[name].median()
+        return by["eager"].compared() / by[name].compared()
 
     def overhead_s(self) -> float:
         """Search time beyond what the same steps take with the chosen strategy."""

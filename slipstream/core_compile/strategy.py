@@ -154,15 +154,18 @@ class Applied:
     forward: object = None
     """The compiled ``forward`` (scope ``"model"``)."""
     regions: list = field(default_factory=list)
-    """(module, compiled forward) pairs (scope ``"regions"``)."""
+    """(module, compiled forward, the instance's own forward or None) (scope ``"regions"``)."""
 
     def activate(self) -> None:
-        for module, compiled in self.regions:
+        for module, compiled, _ in self.regions:
             module.forward = compiled
 
     def deactivate(self) -> None:
-        for module, _ in self.regions:
-            vars(module).pop("forward", None)
+        for module, _, previous in self.regions:
+            if previous is None:
+                vars(module).pop("forward", None)
+            else:
+                module.forward = previous
 
 
 def build(strategy: Strategy, eager_forward, regions: list[torch.nn.Module]) -> Applied:
@@ -172,8 +175,7 @@ def build(strategy: Strategy, eager_forward, regions: list[torch.nn.Module]) -> 
     if strategy.scope == "model":
         applied.forward = torch.compile(eager_forward, backend=counter, dynamic=strategy.dynamic)
     else:
-        for module in regions:
-            if "forward" in vars(module):
-                raise RuntimeError(f"{type(module).__name__}.forward is already wrapped by someone else")
-            applied.regions.append((module, torch.compile(module.forward, backend=counter, dynamic=strategy.dynamic)))
+        for module in regions:  # a forward another library set on the instance is compiled with it
+            previous = vars(module).get("forward")
+            applied.regions.append((module, torch.compile(module.forward, backend=counter, dynamic=strategy.dynamic), previous))
     return applied

@@ -14,7 +14,7 @@ from ..config import SlipstreamConfig
 from ..core_comm._backend_registry import registered_config
 from ..cpu_memory import keep_freed_memory, release_freed_memory
 
-__all__ = ["apply_job_effects", "read_config", "undo_job_effects"]
+__all__ = ["apply_job_effects", "compile_model", "read_config", "undo_job_effects"]
 
 log = logging.getLogger("slipstream")
 
@@ -33,3 +33,15 @@ def apply_job_effects(settings: SlipstreamConfig, *, on_cpu: bool) -> None:
 
 def undo_job_effects() -> None:
     release_freed_memory()
+
+
+def compile_model(model, settings: SlipstreamConfig | None, group=None) -> bool:
+    """``slipstream.compile`` on the stack's model when the section has ``"compile"``; a
+    wrapped model (DDP, FSDP2, a DeepSpeed engine's module) gets its hook-free regions. Returns
+    whether it was applied."""
+    if settings is None or settings.compile is None or not settings.compile.enabled:
+        return False
+    from ..core_compile import compile as compile_
+
+    compile_(model, config=settings.compile, group=group)
+    return True

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from ..core_comm import counters
 from ..core_compile import global_token_count, step_loss
 from ..plugins.fsdp.translate import grad_reduction
-from ._finetune_worker import _progress, _summary, load_samples, parse, step_micro_batches, step_record
+from ._finetune_worker import _progress, _summary, compile_summary, load_samples, parse, step_micro_batches, step_record
 from .data import pad_batch
 from .finetune import result_file
 from .model import build_model
@@ -104,6 +104,10 @@ def train(args) -> dict:
         from .. import fsdp
 
         fsdp.apply(model)
+        if args.compile:
+            from ..core_compile import compile as compile_
+
+            compile_(model)  # after fully_shard: its hook-free regions
     _time_comms(model, timer)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     reduction = grad_reduction()
@@ -121,6 +125,7 @@ def train(args) -> dict:
     peak = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0])
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     summary = _summary(args, records, float(peak), "")
+    summary["compile"] = compile_summary(model)
     summary.update(stack="fsdp2" + ("-hsdp" if args.hsdp else ""), zero=None,
                    padding_removed=0.0 if not ours or args.no_varlen else
                    1 - sum(r["real_tokens"] for r in records) / sum(r["padded_tokens"] for r in records),

@@ -41,6 +41,7 @@ def parse(argv=None) -> argparse.Namespace:
         ("--lr", float, 1e-3), ("--seed", int, 0), ("--config", str, None), ("--output-dir", str, "out"),
     ]:
         p.add_argument(name, type=kind, default=default)
+    p.add_argument("--compile", action="store_true", help="slipstream runs: slipstream.compile")
     return p.parse_args(argv)
 
 
@@ -53,6 +54,8 @@ def ds_config(args) -> dict:
     cfg.setdefault("optimizer", {}).setdefault("params", {})["lr"] = args.lr
     if args.impl == "stock":
         cfg.pop("slipstream", None)
+    elif args.compile:
+        cfg.setdefault("slipstream", {})["compile"] = {"enabled": True}
     return cfg
 
 
@@ -162,7 +165,15 @@ def train(args) -> dict:
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     return {**_summary(args, records, float(peak), ckpt),
             "comm_by_op": {op: {"calls": n, "seconds": t} for op, (n, t) in sorted(timer.by_op.items())},
-            "comm_paths": counters.snapshot()}
+            "comm_paths": counters.snapshot(), "compile": compile_summary(engine.module)}
+
+
+def compile_summary(model) -> dict | None:
+    """What ``slipstream.compile`` measured and chose on this rank (None: not compiled)."""
+    from ..core_compile import compile_report
+
+    report = compile_report(model)
+    return report.to_dict() if report is not None else None
 
 
 def _train_step(engine, samples, step, args, rank, world, reduction, timer, tokenizer) -> dict:

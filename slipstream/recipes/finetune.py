@@ -39,6 +39,8 @@ def add_arguments(p) -> None:
                    help="with --stack fsdp: a 2-D mesh, shard inside a node and replicate across nodes "
                         "(with --compare: stock full sharding, stock HSDP and slipstream HSDP)")
     p.add_argument("--no-varlen", action="store_true", help="with --stack fsdp: slipstream's collectives only")
+    p.add_argument("--compile", action="store_true",
+                   help="slipstream runs: the compile strategy chosen by measurement on the first steps (slipstream.compile)")
     p.add_argument("--zero", type=int, choices=(1, 2, 3), default=2)
     p.add_argument("--batch-size", type=int, default=8, help="samples per rank per micro-step")
     p.add_argument("--grad-accum", type=int, default=1)
@@ -127,6 +129,7 @@ def _launch(args, impl: str, spec: ClusterSpec, hsdp: bool = False) -> dict:
     argv = ["-m", WORKERS[getattr(args, "stack", "deepspeed")], "--impl", impl]
     if getattr(args, "stack", "deepspeed") == "fsdp":
         argv += ["--hsdp"] * hsdp + ["--no-varlen"] * bool(args.no_varlen)
+    argv += ["--compile"] * bool(getattr(args, "compile", False))
     for flag, attr in _PASSED:
         value = getattr(args, attr)
         if value is not None:

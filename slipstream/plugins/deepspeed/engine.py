@@ -15,7 +15,7 @@ import logging
 import os
 
 from ...report import announce, deferred, note_stack, warn_once
-from .._adapter import apply_job_effects, read_config, undo_job_effects
+from .._adapter import apply_job_effects, compile_model, read_config, undo_job_effects
 from .._patch import patch, unpatch
 from .comm import install_comm
 from .translate import zero_buckets
@@ -92,12 +92,13 @@ def _set_up(original, args, kwargs):
         params["args"].deepspeed_config = None
     params["config"] = ds_config
     result = original(*bound.args, **bound.kwargs)
+    compiled = compile_model(result[0].module, settings)  # after ZeRO-3 hooked its layers
     owners = patch_zero_optimizer(result[0].optimizer)
     if owners:
         log.info("slipstream: ZeRO gradient buckets reduced to their owners (reduce-scatter)")
     note_stack("deepspeed", engaged=True, zero_stage=ds_config.get("zero_optimization", {}).get("stage", 0),
                collectives="deepspeed.comm through the core", gradient_buckets_to_owners=bool(owners),
-               varlen=settings.varlen is not None)
+               varlen=settings.varlen is not None, compile=compiled)
     backend.communicator(None)  # built now (every rank is here) so that the line names its paths
     announce(by_adapter=True)
     return result

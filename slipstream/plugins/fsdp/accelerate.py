@@ -29,6 +29,7 @@ import functools
 import logging
 import os
 
+from .._adapter import compile_model
 from .._patch import patch, unpatch
 from ...report import note_stack, warn_once
 
@@ -61,8 +62,9 @@ def install() -> None:
             apply_varlen(model, varlen)  # the bare model, before accelerate's fully_shard
         model = original_prepare(accelerator, model)
         switched = apply(model, config=settings.comm if settings is not None else None)
+        compiled = compile_model(model, settings)  # after fully_shard: its hook-free regions
         note_stack("accelerate", engaged=True, fsdp_version=2, modules_through_the_core=len(switched),
-                   varlen=varlen is not None)
+                   varlen=varlen is not None, compile=compiled)
         return model
 
     patch(acc, "fsdp2_prepare_model", fsdp2_prepare_model, owner=_OWNER)
