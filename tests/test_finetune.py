@@ -40,10 +40,14 @@ def test_embedded_default_runs_end_to_end_and_matches_stock(tmp_path):
     assert (out / "compare.png").stat().st_size > 0
 
 
-def test_fsdp_stack_compare_matches_stock_fsdp2_with_its_collectives_through_the_core(tmp_path):
+def test_fsdp_stack_compare_matches_stock_fsdp2_with_its_collectives_through_the_core(tmp_path, monkeypatch):
+    """Ours also compiles (--compile): the three steps are the search's eager step, the check of
+    the first candidate (the hook-free parts of each sharded layer) and its warm-up step."""
+    monkeypatch.setenv("SLIPSTREAM_COMPILE_DIR", str(tmp_path / "compile-cache"))
     figures = tmp_path / "figures.json"
-    assert main(["finetune", "--stack", "fsdp", "--compare", "--steps", "3", "--samples", "48", "--max-length",
-                 "128", "--batch-size", "4", "--output-dir", str(tmp_path / "run"), "--json", str(figures)]) == 0
+    assert main(["finetune", "--stack", "fsdp", "--compare", "--compile", "--steps", "3", "--samples", "48",
+                 "--max-length", "128", "--batch-size", "4", "--output-dir", str(tmp_path / "run"), "--json",
+                 str(figures)]) == 0
     stock, ours = json.loads(figures.read_text())
     assert stock["stack"] == ours["stack"] == "fsdp2"
     for a, b in zip(stock["losses"], ours["losses"], strict=True):
@@ -52,7 +56,13 @@ def test_fsdp_stack_compare_matches_stock_fsdp2_with_its_collectives_through_the
     assert stock["comm_paths"] == {}  # plain FSDP2 on gloo never reaches the core
     for op in ("all_gather", "reduce_scatter"):
         assert set(ours["comm_paths"][op]) <= {"shm", "cma"}, ours["comm_paths"]
-        assert ours["comm_by_op"][op]["calls"] == stock["comm_by_op"][op]["calls"]
+    calls = {op: (stock["comm_by_op"][op]["calls"], ours["comm_by_op"][op]["calls"]) for op in ("all_gather", "reduce_scatter")}
+    assert calls["reduce_scatter"][0] == calls["reduce_scatter"][1], calls
+    assert calls["all_gather"][1] > calls["all_gather"][0], calls  # the compile check's forwards gather too
+    assert stock["compile"] is None
+    statuses = {c["name"]: c["status"] for c in ours["compile"]["candidates"]}
+    assert "inductor" not in statuses  # FSDP2's hooks: never the whole model
+    assert statuses["regions"] == "measured" and ours["compile"]["fallback"] is None, ours["compile"]
 
 
 @pytest.mark.netns

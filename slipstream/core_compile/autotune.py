@@ -106,6 +106,7 @@ class Autotuner:
         self.shapes_vary = False
         self.graphs_at_choice = 0
         self.regions: list = []
+        self.hooked = any(m._forward_pre_hooks or m._forward_hooks for m in module.modules())
         self.key: dict | None = None
         setattr(self, _MARKER, True)
 
@@ -151,9 +152,8 @@ class Autotuner:
             return
         blocks = strategy.repeated_blocks(self.module)
         self.regions = strategy.hook_free_regions(blocks)
-        has_hooks = any(m._forward_pre_hooks or m._forward_hooks for m in self.module.modules())
         for s in strategy.candidates(device.type, names=self.config.strategies, max_autotune=self.config.max_autotune,
-                                     shapes_vary=True, has_regions=bool(self.regions), has_hooks=has_hooks):
+                                     shapes_vary=True, has_regions=bool(self.regions), has_hooks=self.hooked):
             self.by_name[s.name] = Candidate(s.name)
             if s.compiled:
                 self.pending.append(s)
@@ -325,8 +325,10 @@ class Autotuner:
             return (applied.forward or self.eager)(*args, **kwargs)
 
     def _check(self, name: str, args, kwargs) -> None:
-        """``check.compare`` of ``name`` against eager on this batch (raises on a mismatch)."""
-        check.compare(self.module, self.eager, lambda *a, **k: self._call(name, a, k), args, kwargs)
+        """``check.compare`` of ``name`` against eager on this batch (raises on a mismatch); the
+        loss only where the model's modules carry hooks (``check.compare``)."""
+        check.compare(self.module, self.eager, lambda *a, **k: self._call(name, a, k), args, kwargs,
+                      gradients=not self.hooked)
 
     @contextlib.contextmanager
     def _activated(self, name: str):

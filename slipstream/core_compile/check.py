@@ -79,7 +79,7 @@ def _first_tensor(output):
 
 
 def _run(forward, params, args, kwargs):
-    with torch.enable_grad():
+    with torch.set_grad_enabled(bool(params)):
         output = forward(*args, **kwargs)
         loss = _loss(output)
         grads = torch.autograd.grad(loss, params, allow_unused=True) if params else ()
@@ -87,11 +87,13 @@ def _run(forward, params, args, kwargs):
     return loss.detach(), [g.detach() if g is not None else None for g in grads], dtype
 
 
-def compare(model: torch.nn.Module, eager, candidate, args, kwargs) -> float:
+def compare(model: torch.nn.Module, eager, candidate, args, kwargs, *, gradients: bool = True) -> float:
     """Run ``eager`` and ``candidate`` on the batch; the candidate's compile time is inside.
     Returns the gradient's relative difference; raises ``Mismatch`` beyond tolerance.
+    ``gradients=False`` compares the loss only, without autograd (for a model whose hooks
+    gather and reshard parameters: FSDP2, ZeRO-3; a backward would run their reductions).
     Host sync: reads the loss and gradient norms."""
-    params = [p for p in model.parameters() if p.requires_grad]
+    params = [p for p in model.parameters() if p.requires_grad] if gradients else []
     with same_start(model) as reset:
         ref_loss, ref_grads, dtype = _run(eager, params, args, kwargs)
         reset()

@@ -92,11 +92,16 @@ def _set_up(original, args, kwargs):
         params["args"].deepspeed_config = None
     params["config"] = ds_config
     result = original(*bound.args, **bound.kwargs)
-    compiled = compile_model(result[0].module, settings)  # after ZeRO-3 hooked its layers
+    stage = ds_config.get("zero_optimization", {}).get("stage", 0)
+    if stage == 3 and settings.compile is not None:  # its parameter prefetch follows the forward's order
+        warn_once("compile: skipped under ZeRO-3 (its layers gather parameters in hooks; they stay eager)")
+        compiled = False
+    else:
+        compiled = compile_model(result[0].module, settings)  # DeepSpeed's hooks: the hook-free regions
     owners = patch_zero_optimizer(result[0].optimizer)
     if owners:
         log.info("slipstream: ZeRO gradient buckets reduced to their owners (reduce-scatter)")
-    note_stack("deepspeed", engaged=True, zero_stage=ds_config.get("zero_optimization", {}).get("stage", 0),
+    note_stack("deepspeed", engaged=True, zero_stage=stage,
                collectives="deepspeed.comm through the core", gradient_buckets_to_owners=bool(owners),
                varlen=settings.varlen is not None, compile=compiled)
     backend.communicator(None)  # built now (every rank is here) so that the line names its paths
