@@ -18,6 +18,7 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("bench", "transport"): ("slipstream.bench.transport", "inter-node transport: K connections vs 1"),
     ("bench", "megatron"): ("slipstream.bench.megatron", "megatron-core GPT: gloo vs slipstream, padded vs packed"),
     ("bench", "loader"): ("slipstream.bench.loader", "collation hidden behind the step by AsyncLoader"),
+    ("bench", "compile"): ("slipstream.bench.compile", "slipstream.compile's choice vs eager on ResNet-50, BERT, llama varlen"),
     ("finetune",): ("slipstream.recipes.finetune", "fine-tune a causal LM with DeepSpeed ZeRO or FSDP2 (+ slipstream)"),
     ("tune",): ("slipstream.commands.tune", "measure and cache the best algorithm per size"),
     ("env",): ("slipstream.commands.env", "this machine: topology, fast paths, tuned plan, versions"),

@@ -181,7 +181,7 @@ class Autotuner:
             return self._call(self.active, args, kwargs)
         while self.pending:
             s = self.pending.popleft()
-            if s.dynamic and not self._agree(float(self.shapes_vary)):
+            if s.dynamic and self.config.strategies is None and not self._agree(float(self.shapes_vary)):
                 self.by_name[s.name].status, self.by_name[s.name].reason = "skipped", "batch shapes did not change"
                 continue
             if self._agree(time.perf_counter() - self.search_start) > self.config.budget_s:

@@ -1,0 +1,221 @@
+"""One model of ``slipstream bench compile``, in a process of its own.
+
+``compile.py`` starts one per (model, device) with an empty ``TORCHINDUCTOR_CACHE_DIR``, so
+every compile is cold and no inductor state crosses models. Two copies of the model, built
+from one seed, train on the same batches (forward + backward + optimizer step, the model's
+own loss):
+
+- ``eager``: the model as it is; its first ``WARM_STEPS`` steps run before the search;
+- ``tuned``: ``slipstream.compile(model, config=CompileConfig(cache=False, ...))``, trained
+  until the autotuner has chosen (``report.decided_at_step``), then on to ``steps`` steps.
+
+After the choice the eager steps left and the tuned model's steps take turns, a step of each
+on the same batch (which goes first flips every step), so a slow spell of the shared machine
+hits both. Writes the step times and ``compile_report(model).to_dict()`` as JSON to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import random
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+WARM_STEPS = 2
+MIN_STEADY_STEPS = 5
+"""Steps of the chosen strategy run after the choice even when the search took ``--steps``."""
+MAX_SEARCH_STEPS = 1000
+"""A search takes 1 + 2 x candidates + measure_rounds x survivors steps; far more is a bug."""
+
+# name -> (layers, hidden): Google's BERT miniatures (Turc et al., 2019) and BERT-base
+BERT_SIZES = {"tiny": (2, 128), "mini": (4, 256), "small": (4, 512), "medium": (8, 512), "base": (12, 768)}
+
+
+@dataclass
+class Workload:
+    description: str
+    build: Callable[[], torch.nn.Module]
+    """A fresh model from the job's seed, on the device, in training mode."""
+    optimizer: Callable[[torch.nn.Module], torch.optim.Optimizer]
+    batches: list
+    """Cycled through; step ``i`` of both copies takes ``batches[i % len(batches)]``."""
+    loss: Callable[[torch.nn.Module, object], torch.Tensor]
+    batch_shape: str
+
+
+def _seeded(make, seed: int):
+    def build():
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            return make()
+    return build
+
+
+def _resnet_factory(width: int):
+    """(make, where it comes from): torchvision's ResNet-50 when it imports, else ours."""
+    why = f"--resnet-width {width}, torchvision's is 64"
+    if width == 64:
+        try:
+            import torchvision
+
+            return lambda: torchvision.models.resnet50(num_classes=10), "torchvision.models.resnet50"
+        except Exception as e:  # noqa: BLE001 - a CUDA-only torchvision fails in its _C, not at import
+            why = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+    from ._resnet import resnet50
+
+    return (lambda: resnet50(num_classes=10, width=width),
+            f"slipstream.bench._resnet (torchvision's architecture; torchvision not used: {why})")
+
+
+def _resnet(job: dict, device: torch.device) -> Workload:
+    """ResNet-50 on random (batch, 3, size, size) images of 10 classes, cross-entropy, SGD."""
+    make, source = _resnet_factory(job["resnet_width"])
+    b, s = job["batch_size"], job["image_size"]
+    g = torch.Generator().manual_seed(job["seed"])
+    batches = [(torch.randn(b, 3, s, s, generator=g).to(device), torch.randint(0, 10, (b,), generator=g).to(device))
+               for _ in range(8)]
+    return Workload(
+        description=f"ResNet-50 from {source}, width {job['resnet_width']}",
+        build=_seeded(lambda: make().to(device).train(), job["seed"]),
+        optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9),
+        batches=batches,
+        loss=lambda m, batch: torch.nn.functional.cross_entropy(m(batch[0]), batch[1]),
+        batch_shape=f"{b} x 3 x {s} x {s}",
+    )
+
+
+def _bert(job: dict, device: torch.device) -> Workload:
+    """BertForSequenceClassification (random init, BERT's dropout) on random token ids, AdamW."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    layers, hidden = BERT_SIZES[job["bert_size"]]
+    config = BertConfig(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=max(hidden // 64, 1),
+                        intermediate_size=4 * hidden, num_labels=2)
+    b, n = job["batch_size"], job["seq_len"]
+    g = torch.Generator().manual_seed(job["seed"])
+    batches = [{"input_ids": torch.randint(0, config.vocab_size, (b, n), generator=g).to(device),
+                "attention_mask": torch.ones(b, n, dtype=torch.long, device=device),
+                "labels": torch.randint(0, 2, (b,), generator=g).to(device)} for _ in range(8)]
+    return Workload(
+        description=f"BertForSequenceClassification, bert-{job['bert_size']} ({layers} layers, hidden {hidden}), "
+                    f"{config._attn_implementation or 'default'} attention",
+        build=_seeded(lambda: BertForSequenceClassification(config).to(device).train(), job["seed"]),
+        optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=1e-4),
+        batches=batches,
+        loss=lambda m, batch: m(**batch).loss,
+        batch_shape=f"{b} x {n} tokens",
+    )
+
+
+def _llama(job: dict, device: torch.device) -> Workload:
+    """The recipe's llama on alpaca samples, varlen pass + ``FlattenCollator`` (one packed row
+    per step, its length changing every step), AdamW."""
+    from slipstream.core_compile import FlattenCollator, apply_varlen
+    from slipstream.recipes import build_model, generate_alpaca, load_alpaca, load_tokenizer, tokenize_alpaca
+
+    records = load_alpaca(job["data"]) if job["data"] else generate_alpaca(1000, seed=job["seed"])
+    tokenizer = load_tokenizer(vocab_size=8192)
+    samples = [s for s in tokenize_alpaca(records, tokenizer, max_length=2048) if s["input_ids"]]
+    random.Random(job["seed"]).shuffle(samples)
+    b = job["batch_size"]
+    n = min(len(samples) // b, job["steps"] + job["eager_steps"])
+    if n < 1:
+        raise SystemExit(f"need at least {b} samples, have {len(samples)}")
+    collate = FlattenCollator()
+    batches = [{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in collate(samples[i * b:(i + 1) * b]).items()}
+               for i in range(n)]
+    tokens = sorted(batch["input_ids"].shape[1] for batch in batches)
+
+    def make():
+        model = build_model(job["llama_model"], vocab_size=max(8192, len(tokenizer)), seed=job["seed"],
+                            pad_token_id=tokenizer.pad_token_id)
+        return apply_varlen(model.to(device).train())
+
+    return Workload(
+        description=f"{job['llama_model']} (recipe model) with apply_varlen, FlattenCollator batches of "
+                    f"{b} alpaca samples ({'from ' + job['data'] if job['data'] else 'generated'})",
+        build=make,
+        optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=1e-4),
+        batches=batches,
+        loss=lambda m, batch: m(**batch).loss,
+        batch_shape=f"1 x {tokens[0]}..{tokens[-1]} tokens (median {tokens[len(tokens) // 2]})",
+    )
+
+
+WORKLOADS = {"resnet50": _resnet, "bert": _bert, "llama": _llama}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _step(model, optimizer, loss_fn, batch, device) -> float:
+    """Seconds of one forward + backward + optimizer step."""
+    _sync(device)
+    start = time.perf_counter()
+    optimizer.zero_grad(set_to_none=True)
+    loss_fn(model, batch).backward()
+    optimizer.step()
+    _sync(device)
+    return time.perf_counter() - start
+
+
+def measure(job: dict) -> dict:
+    import slipstream
+    from slipstream import CompileConfig
+
+    device = torch.device(job["device"])
+    w = WORKLOADS[job["model"]](job, device)
+    batch = lambda i: w.batches[i % len(w.batches)]  # noqa: E731
+    eager, tuned = w.build(), w.build()
+    eager_opt, tuned_opt = w.optimizer(eager), w.optimizer(tuned)
+    eager_warm = [_step(eager, eager_opt, w.loss, batch(i), device) for i in range(WARM_STEPS)]
+
+    config = CompileConfig(cache=False, verbose=False, budget_s=job["budget_s"],
+                           strategies=tuple(job["strategies"]) if job["strategies"] else None)
+    slipstream.compile(tuned, config=config)
+    report = slipstream.compile_report(tuned)
+    start = time.perf_counter()
+    tuned_s = []
+    while report.decided_at_step is None:
+        if len(tuned_s) > MAX_SEARCH_STEPS:
+            raise RuntimeError(f"the autotuner has not chosen after {MAX_SEARCH_STEPS} steps")
+        tuned_s.append(_step(tuned, tuned_opt, w.loss, batch(len(tuned_s)), device))
+    steady = max(job["steps"] - len(tuned_s), MIN_STEADY_STEPS)
+    eager_s, steady_s = [], []
+    for k, both in enumerate(itertools.zip_longest(range(job["eager_steps"] - WARM_STEPS), range(steady))):
+        i = len(tuned_s) + k
+        turns = [("eager", both[0]), ("tuned", both[1])][:: 1 if k % 2 == 0 else -1]
+        for who, index in turns:
+            if index is None:
+                continue
+            if who == "eager":
+                eager_s.append((i, _step(eager, eager_opt, w.loss, batch(i), device)))
+            else:
+                steady_s.append((i, _step(tuned, tuned_opt, w.loss, batch(i), device)))
+    return {
+        "model": job["model"], "device": str(device), "description": w.description, "batch": w.batch_shape,
+        "parameters": sum(p.numel() for p in tuned.parameters()), "torch_threads": torch.get_num_threads(),
+        "eager_warm_s": eager_warm, "eager_s": eager_s, "search_loop_s": tuned_s, "steady_s": steady_s,
+        "tuned_wall_s": time.perf_counter() - start, "report": report.to_dict(), "report_table": report.table(),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--job", required=True, help="the job as JSON (see compile._job)")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    record = measure(json.loads(args.job))
+    with open(args.out, "w") as f:
+        json.dump(record, f)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,47 @@
+"""``slipstream bench compile`` runs end to end on tiny models; no timing is asserted."""
+
+from __future__ import annotations
+
+import json
+
+
+from slipstream.cli import main
+
+_TINY = ["--batch-size", "2", "--steps", "4", "--eager-steps", "4", "--image-size", "32", "--resnet-width", "8",
+         "--bert-size", "tiny", "--seq-len", "16", "--llama-model", "llama-tiny", "--device", "cpu"]
+
+
+def _run(tmp_path, argv: list[str]) -> tuple[list[dict], str]:
+    out, md = tmp_path / "r.json", tmp_path / "r.md"
+    assert main(["bench", "compile", *argv, "--json", str(out), "--markdown", str(md)]) == 0
+    return json.loads(out.read_text()), md.read_text()
+
+
+def _check(records: list[dict], table: str, models: list[str]) -> None:
+    assert [r["model"] for r in records] == models
+    for r in records:
+        assert "error" not in r
+        rep, s = r["report"], r["summary"]
+        for key in ("eager_steps_per_s", "chosen_steps_per_s", "ratio", "search_share"):
+            assert s[key] > 0 or key == "search_share"
+        for key in ("chosen", "decided_at_step", "search_s", "search_steps", "overhead_s", "graph_breaks", "recompiles"):
+            assert key in rep
+        names = [c["name"] for c in rep["candidates"]]
+        assert names[0] == "eager" and len(names) == len(set(names))
+        measured = {c["name"] for c in rep["candidates"] if c["status"] in ("measured", "chosen")}
+        assert rep["chosen"] in measured
+        assert len(r["steady_s"]) >= 1 and r["eager_s"]
+        assert f"| {r['model']} | cpu | {rep['chosen']} |" in table
+        for name in names:
+            assert f"| {r['model']} | cpu | {name} |" in table
+    assert "goals (cpu):" in table and "cold compiles" in table
+
+
+def test_bench_compile_reports_every_candidate_of_three_models(tmp_path):
+    # a budget spent before the first compile: every model's search ends at step 2, on eager
+    records, table = _run(tmp_path, ["--models", "resnet50,bert,llama", "--budget-s", "0.001", *_TINY])
+    _check(records, table, ["resnet50", "bert", "llama"])
+    for r in records:
+        assert r["report"]["chosen"] == "eager"
+        assert {c["status"] for c in r["report"]["candidates"][1:]} == {"skipped"}
+    assert "torchvision" in records[0]["description"]
