@@ -153,7 +153,7 @@ class Autotuner:
         blocks = strategy.repeated_blocks(self.module)
         self.regions = strategy.hook_free_regions(blocks)
         for s in strategy.candidates(device.type, names=self.config.strategies, max_autotune=self.config.max_autotune,
-                                     shapes_vary=True, has_regions=bool(self.regions), has_hooks=self.hooked):
+                                     has_regions=bool(self.regions), has_hooks=self.hooked):
             self.by_name[s.name] = Candidate(s.name)
             if s.compiled:
                 self.pending.append(s)

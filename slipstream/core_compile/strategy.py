@@ -59,12 +59,12 @@ STRATEGIES = (
 
 
 def candidates(device_type: str, *, names=None, max_autotune: bool | None = None,
-               shapes_vary: bool = False, has_regions: bool = False, has_hooks: bool = False) -> list[Strategy]:
+               has_regions: bool = False, has_hooks: bool = False) -> list[Strategy]:
     """The strategies worth measuring for this model and device, eager first.
 
     ``max_autotune=None`` measures it on CUDA only (on CPU its GEMM search costs minutes).
-    Dynamic variants are measured only when the batches seen so far changed shape. A model
-    whose own modules carry hooks is compiled by regions only."""
+    The dynamic variants come last; the search skips them when no batch has changed shape by
+    their turn. A model whose own modules carry hooks is compiled by regions only."""
     by_name = {s.name: s for s in STRATEGIES}
     if names is not None:
         unknown = [n for n in names if n not in by_name]
@@ -75,8 +75,6 @@ def candidates(device_type: str, *, names=None, max_autotune: bool | None = None
     keep = []
     for s in STRATEGIES:
         if device_type not in s.devices or (s.opt_in and not autotune):
-            continue
-        if s.dynamic and not shapes_vary:
             continue
         if s.scope == "regions" and not has_regions:
             continue
