@@ -106,7 +106,7 @@ class Autotuner:
         self.shapes_vary = False
         self.graphs_at_choice = 0
         self.regions: list = []
-        self.hooked = any(m._forward_pre_hooks or m._forward_hooks for m in module.modules())
+        self.hooked = False  # set at the first step: a stack may wrap the model after compile()
         self.key: dict | None = None
         setattr(self, _MARKER, True)
 
@@ -133,6 +133,8 @@ class Autotuner:
     def _start(self, args, kwargs) -> None:
         self.first_signature = _signature(args, kwargs)
         device = _device(self.module, args, kwargs)
+        self.hooked = strategy.has_forward_hooks(self.module)
+        self.regions = strategy.hook_free_regions(strategy.repeated_blocks(self.module))
         if self.config.cache:
             self.key = compile_cache.cache_key(self.module, args, kwargs, device, {"strategies": list(self.config.strategies or ())})
             entry = compile_cache.load(self._cache_dir(), self.key)
@@ -143,15 +145,13 @@ class Autotuner:
                 self.phase = "verify" if entry["chosen"] != "eager" else "chosen"
                 self._say()
                 return
-        if self.config.graph_breaks:
+        if self.config.graph_breaks and self.report.graph_count is None:  # not listed from compile()'s example
             self._graph_breaks(args, kwargs)
         if self.config.strategy is not None:
             self._choose(self.config.strategy)
             self.by_name[self.config.strategy].reason = "named by CompileConfig.strategy: no search"
             self.phase = "verify" if self.config.strategy != "eager" else "chosen"
             return
-        blocks = strategy.repeated_blocks(self.module)
-        self.regions = strategy.hook_free_regions(blocks)
         for s in strategy.candidates(device.type, names=self.config.strategies, max_autotune=self.config.max_autotune,
                                      has_regions=bool(self.regions), has_hooks=self.hooked):
             self.by_name[s.name] = Candidate(s.name)
@@ -269,7 +269,6 @@ class Autotuner:
         self.phase = "chosen"
         if name != "eager" and name not in self.built:
             s = next(s for s in strategy.STRATEGIES if s.name == name)
-            self.regions = strategy.hook_free_regions(strategy.repeated_blocks(self.module))
             self.built[name] = strategy.build(s, self.eager, self.regions)
         self.graphs_at_choice = self.built[name].counter.graphs if name in self.built else 0
 
@@ -384,7 +383,6 @@ def compile(model: torch.nn.Module, example=None, *, config: CompileConfig | Non
     if example is not None and config.graph_breaks:
         args, kwargs = (((), dict(example)) if isinstance(example, dict) else (tuple(example) if isinstance(example, (tuple, list)) else (example,), {}))
         tuner._graph_breaks(args, kwargs)
-        tuner.config = CompileConfig(**{**vars(config), "graph_breaks": False})
     module.forward = tuner
     return model
 

@@ -26,6 +26,8 @@ import warnings
 
 import torch
 
+from .strategy import has_forward_hooks
+
 __all__ = ["fuse_layers", "unfuse_layers", "is_fused", "compiler_problem"]
 
 _MARKER = "_slipstream_fused"
@@ -46,17 +48,13 @@ class _FusedForward:
         if (
             "slipstream_varlen" not in kwargs  # the model's original forward (generation): eager
             or not isinstance(hidden, torch.Tensor)
-            or _has_forward_hooks(self.layer)
+            or has_forward_hooks(self.layer)
             or compiler_problem(hidden.device.type) is not None
         ):
             self.calls["eager"] += 1
             return self.eager(*args, **kwargs)
         self.calls["compiled"] += 1
         return self.compiled(*args, **kwargs)
-
-
-def _has_forward_hooks(layer: torch.nn.Module) -> bool:
-    return any(m._forward_pre_hooks or m._forward_hooks for m in layer.modules())
 
 
 @functools.lru_cache(maxsize=None)

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["STRATEGIES", "Counter", "Strategy", "candidates", "hook_free_regions", "repeated_blocks"]
+__all__ = ["STRATEGIES", "Counter", "Strategy", "candidates", "has_forward_hooks", "hook_free_regions", "repeated_blocks"]
 
 
 @dataclass(frozen=True)
@@ -108,12 +108,9 @@ class Counter:
             self.seconds += time.perf_counter() - start
 
 
-def _has_hooks(module: torch.nn.Module) -> bool:
-    return bool(module._forward_pre_hooks or module._forward_hooks)
-
-
-def _subtree_has_hooks(module: torch.nn.Module) -> bool:
-    return any(_has_hooks(m) for m in module.modules())
+def has_forward_hooks(module: torch.nn.Module) -> bool:
+    """Whether ``module`` or a module inside it carries forward (pre-)hooks."""
+    return any(m._forward_pre_hooks or m._forward_hooks for m in module.modules())
 
 
 def repeated_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -141,7 +138,7 @@ def hook_free_regions(blocks: list[torch.nn.Module]) -> list[torch.nn.Module]:
 
 
 def _largest_hook_free(module: torch.nn.Module) -> list[torch.nn.Module]:
-    if not _subtree_has_hooks(module):
+    if not has_forward_hooks(module):
         return [module] if any(True for _ in module.parameters()) else []
     found = []
     for child in module.children():
