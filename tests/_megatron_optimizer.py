@@ -39,10 +39,12 @@ class CudaOnCpu(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def train(rank: int, world: int, tp: int, distributed: bool, steps: int = 3) -> bytes:
+def train(rank: int, world: int, tp: int, distributed: bool, steps: int = 3, compile_flags: list | None = None) -> bytes:
     """``steps`` optimizer steps of a 2-layer GPT at TP=``tp`` (DP = world / tp), each DP rank on
     its own fixed (2, 16) batch. Returns (as bytes) ``losses: (steps,)``, each the mean over every
-    DP rank's tokens before that step, the final ``params``, and this rank's path counts."""
+    DP rank's tokens before that step, the final ``params``, and this rank's path counts.
+    ``compile_flags``: slipstream's Megatron-LM flags (``--slipstream-compile ...``), acted on
+    before the model is wrapped; the compile report comes back as ``compile``."""
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -53,6 +55,10 @@ def train(rank: int, world: int, tp: int, distributed: bool, steps: int = 3) -> 
     from test_megatron import _gpt
 
     cpu_workarounds()
+    if compile_flags is not None:
+        import argparse
+
+        megatron.initialize(megatron.add_arguments(argparse.ArgumentParser()).parse_args(compile_flags))
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
     dp = parallel_state.get_data_parallel_group()
     model = _gpt(tp, megatron.local_spec())
@@ -82,5 +88,9 @@ def train(rank: int, world: int, tp: int, distributed: bool, steps: int = 3) -> 
         losses.append(mean / dist.get_world_size(dp))
     out = {"losses": torch.stack(losses), "counts": counters.snapshot(),
            "params": torch.cat([p.detach().reshape(-1) for p in model.parameters()])}
+    if compile_flags is not None:
+        report = slipstream.compile_report(model.module)
+        out["compile"] = report.to_dict() if report is not None else None
+        megatron.disable_compile()
     parallel_state.destroy_model_parallel()
     return to_bytes(out)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import tempfile
 import pytest
 import torch
 import torch.distributed as dist
@@ -142,6 +144,47 @@ def test_the_argument_provider_parses_chains_and_refuses_bad_values(tmp_path):
     finally:
         megatron.disable_packed_attention()
     assert DotProductAttention.forward is stock
+    # --slipstream-compile alone: Megatron's DDP compiles what it wraps; collectives unchanged
+    from megatron.core.distributed import DistributedDataParallel
+
+    init = DistributedDataParallel.__init__
+    bad.write_text('{"compile": {"budget": 5}}')
+    with pytest.raises(ValueError, match=r"--slipstream-config: .*s.json: slipstream.compile: unknown key 'budget'"):
+        megatron.initialize(parser.parse_args(["--slipstream-compile", "--slipstream-config", str(bad)]))
+    try:
+        assert not megatron.initialize(parser.parse_args(["--slipstream-compile"]))
+        assert DistributedDataParallel.__init__ is not init and not slipstream.is_enabled()
+        megatron.enable_compile()  # again: one patch
+        megatron.disable_compile()
+        assert DistributedDataParallel.__init__ is init
+    finally:
+        megatron.disable_compile()
+
+
+def test_megatron_ddp_with_slipstream_compile_trains_as_eager_with_the_ranks_agreeing():
+    """``--slipstream-compile`` in a job on Megatron's DDP and optimizer (TP=1 x DP=2): the
+    search measures inductor on the first steps, both ranks choose alike, and the losses and
+    parameters are eager's up to float32 rounding (inductor reorders sums; Adam carries the
+    difference into the parameters, measured ~2e-5 of 1.0 after 4 steps)."""
+    env = [{"SLIPSTREAM_NODE": "0"}] * 2
+    flags = ["--slipstream-compile", "--slipstream-config", None]
+    with tempfile.TemporaryDirectory() as d:
+        flags[2] = os.path.join(d, "s.json")
+        with open(flags[2], "w") as f:  # one candidate, one timed step each: the search ends at step 4
+            json.dump({"compile": {"strategies": ["inductor"], "measure_rounds": 1, "warmup_steps": 0,
+                                   "cache": False, "verbose": False}}, f)
+        stock = _load(run_ranks(_optimizer_train, 2, 1, False, 5, rank_env=env, timeout=600))
+        ours = _load(run_ranks(_optimizer_train, 2, 1, False, 5, flags, rank_env=env, timeout=600))
+    chosen = {o["compile"]["chosen"] for o in ours}
+    assert len(chosen) == 1 and chosen <= {"eager", "inductor"}, [o["compile"] for o in ours]
+    for s, o in zip(stock, ours):
+        report = o["compile"]
+        assert report["fallback"] is None and report["decided_at_step"] == 4, report
+        inductor = next(c for c in report["candidates"] if c["name"] == "inductor")
+        assert inductor["status"] in ("measured", "chosen") and inductor["graphs"] >= 1, report
+        torch.testing.assert_close(o["losses"], s["losses"], rtol=1e-4, atol=0)
+        torch.testing.assert_close(o["params"], s["params"], rtol=0, atol=1e-4)
+        assert o["losses"][-1] < o["losses"][0]
 
 
 def _cpu_workarounds():

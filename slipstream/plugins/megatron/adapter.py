@@ -10,9 +10,15 @@ Three ways in, for the three ways Megatron users start:
   slipstream, and warns naming the group when one is not.
 - Megatron-LM users: ``add_arguments`` as (or chained into) ``extra_args_provider`` adds
   ``--slipstream``, ``--slipstream-varlen`` (packed sequences for the local attention, see
-  ``packed.py``) and ``--slipstream-config PATH``; ``initialize(args)`` acts on them before
-  Megatron initialises torch.distributed (the backend Megatron-LM names becomes
-  ``slipstream`` for CPU tensors; CUDA keeps NCCL).
+  ``packed.py``), ``--slipstream-compile`` and ``--slipstream-config PATH``; ``initialize(args)``
+  acts on them before Megatron initialises torch.distributed (the backend Megatron-LM names
+  becomes ``slipstream`` for CPU tensors; CUDA keeps NCCL).
+- compile: Megatron-LM builds and wraps the model inside ``pretrain``, out of the user's reach.
+  With ``--slipstream-compile`` (or a ``"compile"`` section in ``--slipstream-config``) every
+  module Megatron's ``DistributedDataParallel`` wraps is handed to ``slipstream.compile`` as it
+  is wrapped (``enable_compile``; a reversible patch of its ``__init__``), its ranks agreeing
+  over the wrapper's data-parallel group. megatron-core users may call ``slipstream.compile``
+  on their model themselves.
 - users who keep another default backend: ``process_groups()`` returns a
   ``ProcessGroupCollection`` whose groups are slipstream twins of parallel_state's (same
   ranks), and routes the calls that bypass a collection (parallel_state's getters, used e.g. by
@@ -31,8 +37,8 @@ import torch.distributed as dist
 from ...report import note_stack, warn_once
 from .._patch import is_patched, patch, unpatch
 
-__all__ = ["add_arguments", "chain", "initialize", "install", "process_groups", "restore_process_groups",
-           "uninstall"]
+__all__ = ["add_arguments", "chain", "disable_compile", "enable_compile", "initialize", "install", "process_groups",
+           "restore_process_groups", "uninstall"]
 
 log = logging.getLogger("slipstream.megatron")
 _OWNER = "megatron"
@@ -53,6 +59,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--slipstream-varlen", action="store_true",
                        help="let the local DotProductAttention take packed (THD) sequences, computed per "
                             "sequence (Transformer Engine's attention takes them already)")
+    group.add_argument("--slipstream-compile", action="store_true",
+                       help="compile the model with the strategy measured fastest on the first steps, checked "
+                            "against eager, falling back to eager on any failure (slipstream.compile)")
     group.add_argument("--slipstream-config", metavar="PATH", default=None,
                        help="JSON or YAML file of slipstream's settings (the DeepSpeed section's format)")
     return parser
@@ -70,34 +79,86 @@ def chain(*providers):
 
 def initialize(args: argparse.Namespace) -> bool:
     """Act on the parsed flags before Megatron initialises torch.distributed. Returns whether
-    slipstream is on. A bad ``--slipstream-config`` is refused naming the flag and the file."""
+    slipstream's collectives are on. A bad ``--slipstream-config`` is refused naming the flag
+    and the file."""
     if getattr(args, "slipstream_varlen", False):  # compute only: it needs no collective
         from .packed import enable_packed_attention
 
         enable_packed_attention()
         note_stack("megatron-varlen", engaged=True, by="--slipstream-varlen",
                    local_attention="takes packed (THD) sequences")
-    if not getattr(args, "slipstream", False):
-        if getattr(args, "slipstream_config", None):
-            raise ValueError("--slipstream-config needs --slipstream")
-        return False
-    comm = None
-    if args.slipstream_config:
+    on, compiling = getattr(args, "slipstream", False), getattr(args, "slipstream_compile", False)
+    settings = None
+    if getattr(args, "slipstream_config", None):
+        if not (on or compiling):
+            raise ValueError("--slipstream-config needs --slipstream or --slipstream-compile")
         from ...config import load_config_file
 
         try:
-            comm = load_config_file(args.slipstream_config).comm
+            settings = load_config_file(args.slipstream_config)
         except ValueError as e:
             raise ValueError(f"--slipstream-config: {e}") from None
+    compile_config = settings.compile if settings is not None else None
+    if compiling:  # the flag switches on the file's section, or the defaults
+        import dataclasses
+
+        from ...core_compile.compile_config import CompileConfig
+
+        compile_config = dataclasses.replace(compile_config or CompileConfig(), enabled=True)
+    if compile_config is not None and compile_config.enabled:
+        enable_compile(compile_config)
+    if not on:
+        return False
     from ...switch import enable
 
-    enable(comm)
+    enable(settings.comm if settings is not None else None)
     backend = getattr(args, "distributed_backend", None)
     if backend in (None, "gloo"):
         args.distributed_backend = "slipstream"
     elif backend == "nccl":
         args.distributed_backend = "cpu:slipstream,cuda:nccl"
     return True
+
+
+# ------------------------------------------------------------------ compile
+
+
+def enable_compile(config=None) -> None:
+    """From now on, each module Megatron's ``DistributedDataParallel`` wraps goes through
+    ``slipstream.compile(module, config=config, group=<its data-parallel group>)`` at the end of
+    the wrapper's ``__init__``. Idempotent (the latest ``config`` holds); ``disable_compile``
+    undoes it (modules already wrapped keep their autotuner: ``slipstream.uncompile``)."""
+    from megatron.core.distributed import distributed_data_parallel as ddp_module
+
+    from ...core_compile import compile as compile_
+    from ...core_compile.compile_config import CompileConfig
+
+    config = CompileConfig() if config is None else config
+    if not isinstance(config, CompileConfig):
+        raise TypeError(f"config must be a CompileConfig, got {type(config).__name__}")
+    cls = ddp_module.DistributedDataParallel
+    if is_patched(cls, "__init__"):
+        unpatch(cls, "__init__")
+    original = cls.__init__
+
+    @functools.wraps(original)
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        group = getattr(self, "dp_cp_group", None)  # the ranks that see the same model
+        compile_(self.module, config=config, group=group)
+        note_stack("megatron-compile", engaged=True, by="--slipstream-compile",
+                   model=f"{type(self.module).__name__} under Megatron's DDP: strategy chosen by measurement "
+                         "(slipstream.compile_report(ddp.module))")
+
+    patch(cls, "__init__", __init__, owner=_OWNER + "-compile")
+
+
+def disable_compile() -> None:
+    import sys
+
+    ddp_module = sys.modules.get("megatron.core.distributed.distributed_data_parallel")
+    if ddp_module is not None:
+        unpatch(ddp_module.DistributedDataParallel, "__init__")
 
 
 # ------------------------------------------------------------------ the check after set-up
@@ -128,6 +189,7 @@ def uninstall() -> None:
         restore_process_groups()
         unpatch(parallel_state, "initialize_model_parallel")
     disable_packed_attention()
+    disable_compile()
 
 
 def _check_groups(parallel_state) -> None:
