@@ -8,6 +8,7 @@ a few SGD steps to ~1e-5 (measured here: 3e-7 and 2e-6); the checks use 10x that
 from __future__ import annotations
 
 import copy
+import time
 import warnings
 
 import pytest
@@ -113,6 +114,8 @@ def test_search_measures_the_candidates_and_trains_like_eager(tmp_path):
     report = slipstream.compile_report(model)
     by = {c.name: c for c in report.candidates}
     assert {"eager", "inductor", "regions", "inductor-dynamic", "regions-dynamic"} <= set(by), report.table()
+    # two lengths by regions' turn: static regions would recompile at each, so they are skipped
+    assert by["regions"].status == "skipped" and "static graph recompiles" in by["regions"].reason, report.table()
     assert by[report.chosen].status == "chosen" and report.decided_at_step is not None
     measured = [c for c in report.candidates if c.status in ("measured", "chosen")]
     assert all(len(c.step_s) == 2 for c in measured), report.table()  # every survivor timed twice
@@ -184,6 +187,68 @@ def test_a_skewed_candidate_is_rejected_by_the_search(tmp_path):
     by = {c.name: c for c in slipstream.compile_report(model).candidates}
     assert by["inductor"].status == "rejected" and "mismatch" in by["inductor"].reason
     assert torch.equal(ours[0], ref[0])
+
+
+def test_a_candidate_over_twice_eagers_step_is_not_timed_further(tmp_path, monkeypatch):
+    from slipstream.core_compile import autotune
+
+    build = strategy.build
+
+    def slowed(s, eager_forward, regions):  # inductor's steps take 50 ms more (eager's: ~1 ms)
+        applied = build(s, eager_forward, regions)
+        compiled = applied.forward
+
+        def forward(*args, **kwargs):
+            time.sleep(0.05)
+            return compiled(*args, **kwargs)
+
+        applied.forward = forward
+        return applied
+
+    monkeypatch.setattr(strategy, "build", slowed)
+    eager, model = _pair()
+    batches = _batches(10)
+    ref = _train(eager, batches)
+    slipstream.compile(model, config=_cfg(tmp_path, cache=False, strategies=("inductor",), measure_rounds=4))
+    ours = _train(model, batches)
+    report = slipstream.compile_report(model)
+    by = {c.name: c for c in report.candidates}
+    # after round two of four eager alone is left: the search ends there
+    assert report.chosen == "eager" and len(by["eager"].step_s) == 2, report.table()
+    assert len(by["inductor"].step_s) == 2 and "not timed further" in by["inductor"].reason, report.table()
+    assert report.speedup("inductor") < 1 / autotune.PRUNE_FACTOR  # its one step is still reported
+    _close(ours, ref)
+
+
+class Cancels(torch.nn.Module):
+    """A loss that float32 rounds by 2e-3 relative: ``(s + offset) - offset`` with ``s`` a
+    multiple of 2**-11 exactly halfway between two float32 numbers near ``offset`` (1e4, whose
+    ulp is 2**-10): the sum rounds to the even one. Adding the next float32 after 1e4 instead
+    rounds it the other way: another rounding order, as far from the exact loss as eager."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(1))
+
+    def forward(self, x, offset: float = 1e4):
+        return ((self.w * x).sum() + offset) - offset
+
+
+def test_a_candidate_beyond_the_dtype_tolerance_but_as_accurate_as_eager_passes_the_check(monkeypatch):
+    from slipstream.core_compile import check
+
+    model, x = Cancels(), torch.tensor([501 * 2.0 ** -11])
+    reordered = lambda x: model(x, offset=1e4 + 2.0 ** -10)  # noqa: E731
+    skewed = lambda x: model(x) * 1.01  # noqa: E731
+    eager_loss, other = model(x).item(), reordered(x).item()
+    assert abs(other - eager_loss) / eager_loss > 1e-3 > check.TOLERANCES[torch.float32][0]  # the plain check fails
+    assert abs(other - float(x)) == abs(eager_loss - float(x)) > 0  # equally far from the exact s
+    check.compare(model, model.forward, reordered, (x,), {})  # no Mismatch: judged against float64
+    with pytest.raises(check.Mismatch, match="against a float64 run its loss"):
+        check.compare(model, model.forward, skewed, (x,), {})
+    monkeypatch.setattr(check, "FLOAT64_MAX_BYTES", 0)  # no float64 copy: the dtype's tolerance alone
+    with pytest.raises(check.Mismatch, match=r"loss .* vs eager .* for torch.float32\)$"):
+        check.compare(model, model.forward, reordered, (x,), {})
 
 
 def test_a_recompile_storm_falls_back_with_the_guard_that_failed(tmp_path):

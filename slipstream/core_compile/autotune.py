@@ -48,6 +48,8 @@ _MARKER = "_slipstream_autotuner"
 # Dynamo counts every compiled variant of a code object against one limit (8), and the
 # candidates share the model's code objects: measured strategies must not crowd each other out.
 _RECOMPILE_LIMIT = 64
+# a candidate whose fastest timed step is this many times eager's is not timed further
+PRUNE_FACTOR = 2.0
 
 
 def _target(model: torch.nn.Module) -> torch.nn.Module:
@@ -181,9 +183,13 @@ class Autotuner:
             return self._call(self.active, args, kwargs)
         while self.pending:
             s = self.pending.popleft()
-            if s.dynamic and self.config.strategies is None and not self._agree(float(self.shapes_vary)):
-                self.by_name[s.name].status, self.by_name[s.name].reason = "skipped", "batch shapes did not change"
-                continue
+            if s.dynamic is not None and self.config.strategies is None:
+                varied = bool(self._agree(float(self.shapes_vary)))
+                if s.dynamic != varied:  # dynamic for fixed shapes; static ones recompile at every shape
+                    self.by_name[s.name].status = "skipped"
+                    self.by_name[s.name].reason = ("batch shapes change: a static graph recompiles at each"
+                                                   if varied else "batch shapes did not change")
+                    continue
             if self._agree(time.perf_counter() - self.search_start) > self.config.budget_s:
                 self._skip_pending(s, f"search budget of {self.config.budget_s:g} s spent")
                 break
@@ -195,6 +201,9 @@ class Autotuner:
                 return self._call(s.name, args, kwargs)
             self._drop(s.name, ok)
         timed = [n for n in self.survivors if len(self.by_name[n].step_s) < self.config.measure_rounds]
+        if timed and len(timed) == len(self.survivors) and len(self.survivors) > 1:
+            self._prune()  # a round is complete
+            timed = [n for n in timed if n in self.survivors]
         if not timed or len(self.survivors) == 1:
             self._decide()
             return self._run_chosen(args, kwargs)
@@ -221,6 +230,22 @@ class Autotuner:
         cand.status = "measured"
         return True
 
+    def _prune(self) -> None:
+        """After two or more complete rounds of timed steps: stop timing the candidates whose
+        fastest step so far is over ``PRUNE_FACTOR`` times eager's (the ranks agree on their
+        mean). Two: one step may have recompiled for a new shape."""
+        rounds = len(self.by_name["eager"].step_s)
+        if rounds < 2 or any(len(self.by_name[n].step_s) != rounds for n in self.survivors):
+            return
+        best = self._agree_all([min(self.by_name[n].step_s) for n in self.survivors], mean=True)
+        eager = best[self.survivors.index("eager")]
+        for name, b in list(zip(self.survivors, best)):
+            if name != "eager" and b > PRUNE_FACTOR * eager:
+                self.survivors.remove(name)
+                self.by_name[name].reason = (f"{b / eager:.1f}x eager's step time after {rounds} timed "
+                                             f"step{'s' * (rounds > 1)}: not timed further")
+                self.built.pop(name).deactivate()
+
     def _drop(self, name: str, ok: bool) -> None:
         if ok:  # it passed here but failed on another rank
             self.by_name[name].status, self.by_name[name].reason = "rejected", "failed its check on another rank"
@@ -233,12 +258,12 @@ class Autotuner:
 
     def _decide(self) -> None:
         names = [c.name for c in self.report.candidates]
-        medians = [self.by_name[n].median() if n in self.survivors else float("inf") for n in names]
+        medians = [self.by_name[n].median() for n in names]  # infinite where never timed
         agreed = self._agree_all(medians, mean=True)  # every rank decides on the ranks' mean
         for n, score in zip(names, agreed):
             self.by_name[n].score = score
         eager = agreed[names.index("eager")]
-        best = min(range(len(names)), key=lambda i: agreed[i])
+        best = min((i for i, n in enumerate(names) if n in self.survivors), key=lambda i: agreed[i])
         chosen = names[best] if agreed[best] * self.config.min_speedup < eager else "eager"
         if chosen == "eager" and names[best] != "eager":
             self.by_name["eager"].reason = f"no candidate beat eager by {self.config.min_speedup:g}x"
