@@ -105,17 +105,23 @@ def test_each_strategy_trains_like_eager(tmp_path, name):
     _close(ours, ref)
 
 
-def test_search_measures_the_candidates_and_trains_like_eager(tmp_path):
+@pytest.mark.parametrize("lengths", [(12,), (12, 8)], ids=["fixed-shapes", "shapes-change"])
+def test_search_measures_the_candidates_and_trains_like_eager(tmp_path, lengths):
     eager, model = _pair()
-    batches = _batches(24, lengths=(12, 8))
+    batches = _batches(24, lengths=lengths)
     ref = _train(eager, batches)
     slipstream.compile(model, config=_cfg(tmp_path, cache=False, measure_rounds=2))
     ours = _train(model, batches)
     report = slipstream.compile_report(model)
     by = {c.name: c for c in report.candidates}
     assert {"eager", "inductor", "regions", "inductor-dynamic", "regions-dynamic"} <= set(by), report.table()
-    # two lengths by regions' turn: static regions would recompile at each, so they are skipped
-    assert by["regions"].status == "skipped" and "static graph recompiles" in by["regions"].reason, report.table()
+    skipped = {n: c.reason for n, c in by.items() if c.status == "skipped"}
+    if len(lengths) == 1:
+        assert skipped == {n: "batch shapes did not change" for n in ("inductor-dynamic", "regions-dynamic")}, skipped
+    else:  # two lengths by step 2: static graphs would recompile at each, the default turns dynamic
+        assert skipped == {"inductor": "batch shapes change: measured as inductor-dynamic, the graph it recompiles into",
+                           "regions": "batch shapes change: a static graph recompiles at each"}, skipped
+    assert all(c.status != "failed" and c.status != "rejected" for c in by.values()), report.table()
     assert by[report.chosen].status == "chosen" and report.decided_at_step is not None
     measured = [c for c in report.candidates if c.status in ("measured", "chosen")]
     assert all(len(c.step_s) == 2 for c in measured), report.table()  # every survivor timed twice

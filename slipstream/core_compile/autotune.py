@@ -12,12 +12,15 @@ it). Each call is one training step; the time between two calls is the step's ti
 and optimizer included. The search, on the user's own batches:
 
 1. the first step runs eagerly, and ``torch._dynamo.explain`` lists the graph breaks;
-2. each candidate (``strategy.candidates``) is compiled and checked against eager on the
+2. from the second step (by then it is known whether the batches change shape: if they do,
+   static graphs are skipped and the default shape policy is measured as its dynamic twin),
+   each candidate (``strategy.candidates``) is compiled and checked against eager on the
    step's batch (``check.compare``: loss and gradients), then runs ``warmup_steps`` steps;
    the candidates measured stop when ``budget_s`` is spent;
 3. the survivors, eager included, take turns for ``measure_rounds`` rounds of timed steps
    (interleaved, so a slow spell of the machine hits all of them); each step's time is divided
-   by its batch's elements (lengths vary); the fastest median wins if it beats eager by
+   by its batch's elements (lengths vary); a candidate whose fastest step is over twice
+   eager's after two rounds is not timed further; the fastest median wins if it beats eager by
    ``min_speedup``, else eager does. Under ``torch.distributed`` the ranks agree on every
    choice (one all-reduce per candidate), so they compile and stop alike.
 
@@ -181,15 +184,14 @@ class Autotuner:
         if self.warm_left > 0:
             self.warm_left -= 1
             return self._call(self.active, args, kwargs)
+        if self.step == 1 and self.pending:  # the first candidate waits a step: has the shape changed by then?
+            return self.eager(*args, **kwargs)
         while self.pending:
             s = self.pending.popleft()
-            if s.dynamic is not None and self.config.strategies is None:
-                varied = bool(self._agree(float(self.shapes_vary)))
-                if s.dynamic != varied:  # dynamic for fixed shapes; static ones recompile at every shape
-                    self.by_name[s.name].status = "skipped"
-                    self.by_name[s.name].reason = ("batch shapes change: a static graph recompiles at each"
-                                                   if varied else "batch shapes did not change")
-                    continue
+            why = self._shape_policy_skip(s) if self.config.strategies is None else None
+            if why:
+                self.by_name[s.name].status, self.by_name[s.name].reason = "skipped", why
+                continue
             if self._agree(time.perf_counter() - self.search_start) > self.config.budget_s:
                 self._skip_pending(s, f"search budget of {self.config.budget_s:g} s spent")
                 break
@@ -210,6 +212,23 @@ class Autotuner:
         name = min(timed, key=lambda n: len(self.by_name[n].step_s))
         self.timed = (name, now, _units(args, kwargs))
         return self._call(name, args, kwargs)
+
+    def _shape_policy_skip(self, s: strategy.Strategy) -> str | None:
+        """Why ``s`` is not worth measuring given whether the batches have changed shape so far
+        (the ranks agree), or None: dynamic variants only when they have; when they have,
+        no static graph (it recompiles at every shape), and no default one whose dynamic twin
+        is still to come (the default recompiles once, into that twin)."""
+        twin = next((p for p in self.pending if p.dynamic and (p.scope, p.mode) == (s.scope, s.mode)), None)
+        if not (s.dynamic or s.dynamic is False or twin):
+            return None
+        varied = bool(self._agree(float(self.shapes_vary)))
+        if s.dynamic:
+            return None if varied else "batch shapes did not change"
+        if not varied:
+            return None
+        if s.dynamic is False:
+            return "batch shapes change: a static graph recompiles at each"
+        return f"batch shapes change: measured as {twin.name}, the graph it recompiles into"
 
     def _try(self, s: strategy.Strategy, args, kwargs) -> bool:
         """Compile ``s`` and check it against eager on this batch."""
