@@ -7,15 +7,25 @@ batches ahead of the training loop. For a CUDA device, tensors are pinned and co
 batch is handed over; elsewhere batches stay where the loader put them and only the
 preparation overlaps the step.
 
+A thread overlaps the step only with collation that releases the interpreter lock (tensor
+work, tokenizers written in Rust). For collation in Python, ``process=True`` iterates
+``loader`` (and runs ``transform``) in a forked child process instead; its batches come back
+through shared memory (``torch.multiprocessing``), and the thread only receives them and moves
+them to the device. The child is a copy of the process at the first ``next``: what the loader
+changes while iterating (a sampler's position, counters) changes in the child only.
+
 An exception raised while preparing a batch is raised in the training loop at that batch, with
-the worker's traceback. Leaving the loop early (``break``, an exception in the step) stops the
-thread: when the iterator is closed or collected, or at the end of a ``with`` block.
+the worker's traceback (a child's, as the exception's cause). Leaving the loop early
+(``break``, an exception in the step) stops the thread and the child: when the iterator is
+closed or collected, or at the end of a ``with`` block.
 """
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
+import traceback
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
@@ -27,16 +37,20 @@ _POLL_S = 0.1  # how often a blocked side checks that the other is still there
 
 
 class AsyncLoader:
-    """Iterate ``loader`` on a background thread, ``prefetch`` batches ahead, each batch passed
-    through ``transform`` (if given) and moved to ``device`` (if given)."""
+    """Iterate ``loader`` on a background thread (``process=True``: in a forked child process),
+    ``prefetch`` batches ahead, each batch passed through ``transform`` (if given) and moved to
+    ``device`` (if given)."""
 
     def __init__(self, loader: Iterable, device: torch.device | str | None = None, *, prefetch: int = 2,
-                 transform: Callable[[Any], Any] | None = None) -> None:
+                 transform: Callable[[Any], Any] | None = None, process: bool = False) -> None:
         if prefetch < 1:
             raise ValueError(f"prefetch must be >= 1, got {prefetch}")
         if transform is not None and not callable(transform):
             raise TypeError(f"transform must be callable, got {type(transform).__name__}")
-        self.loader, self.prefetch, self.transform = loader, prefetch, transform
+        if process and "fork" not in torch.multiprocessing.get_all_start_methods():
+            raise ValueError("AsyncLoader(process=True) needs the fork start method (Linux); use a thread "
+                             "(process=False) or a DataLoader with workers")
+        self.loader, self.prefetch, self.transform, self.process = loader, prefetch, transform, process
         self.device = torch.device(device) if device is not None else None
 
     def __len__(self) -> int:
@@ -55,8 +69,11 @@ class _Prefetcher(Iterator):
         stream = torch.cuda.Stream(self._device) if cuda else None
         # the thread holds no reference to this iterator, so a loop left early lets it be
         # collected, and its collection stops the thread
+        source, transform = owner.loader, owner.transform
+        if owner.process:  # the child collates and transforms; the thread receives and moves
+            source, transform = _Forked(owner.loader, owner.transform, owner.prefetch), None
         self._thread = threading.Thread(target=_produce, name="slipstream-async-loader", daemon=True,
-                                        args=(owner.loader, owner.transform, self._queue, self._stop,
+                                        args=(source, transform, self._queue, self._stop,
                                               self._device, stream))
         self._done = False
         self._thread.start()
@@ -118,8 +135,10 @@ class _Prefetcher(Iterator):
 def _produce(loader, transform, q: queue.Queue, stop: threading.Event, device, stream) -> None:
     """The background thread: each batch (transformed, moved) into ``q``, then the end mark or
     the exception that stopped it; gives up as soon as ``stop`` is set."""
+    batches = None
     try:
-        for batch in loader:
+        batches = iter(loader)
+        for batch in batches:
             if stop.is_set():
                 return
             if transform is not None:
@@ -129,6 +148,10 @@ def _produce(loader, transform, q: queue.Queue, stop: threading.Event, device, s
         _put(q, stop, _END)
     except BaseException as e:  # noqa: BLE001 - raised in the training loop instead
         _put(q, stop, e)
+    finally:
+        close = getattr(batches, "close", None)  # a generator's (a child process's) clean-up runs now
+        if close is not None:
+            close()
 
 
 def _put(q: queue.Queue, stop: threading.Event, item) -> bool:
@@ -166,3 +189,96 @@ def _map(batch, fn):
     if isinstance(batch, tuple):  # a namedtuple
         return type(batch)(*(_map(v, fn) for v in batch))
     return batch
+
+
+# ------------------------------------------------------------------ process=True
+
+
+class _RemoteTraceback(Exception):
+    """The cause of an exception raised in the child: its traceback, as text."""
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+
+class _Forked:
+    """Iterating it forks a child that iterates ``loader`` (and ``transform``) and sends each
+    batch back through a ``torch.multiprocessing`` queue; closing the iterator stops the child."""
+
+    def __init__(self, loader, transform, prefetch: int) -> None:
+        self.loader, self.transform, self.prefetch = loader, transform, prefetch
+
+    def __iter__(self):
+        ctx = torch.multiprocessing.get_context("fork")
+        q, done = ctx.Queue(maxsize=self.prefetch), ctx.Event()
+        child = ctx.Process(target=_child, args=(self.loader, self.transform, q, done, os.getpid()),
+                            name="slipstream-async-loader", daemon=True)
+        child.start()
+        try:
+            while True:
+                try:
+                    kind, payload = q.get(timeout=_POLL_S)
+                except queue.Empty:
+                    if child.is_alive():
+                        continue
+                    try:  # it may have sent its last item just before it went
+                        kind, payload = q.get(timeout=_POLL_S)
+                    except queue.Empty:
+                        raise RuntimeError(f"slipstream AsyncLoader: its process exited (code {child.exitcode}) "
+                                           "without a batch or an error") from None
+                if kind == "end":
+                    return
+                if kind == "error":
+                    error, text = payload
+                    raise error from _RemoteTraceback(f"in the AsyncLoader's process:\n{text}")
+                yield payload
+        finally:
+            done.set()
+            child.join(timeout=_POLL_S * 10)
+            if child.is_alive():  # still collating, or blocked on a full queue
+                child.terminate()
+                child.join(timeout=5)
+            if child.is_alive():
+                child.kill()
+                child.join(timeout=5)
+            q.cancel_join_thread()
+            q.close()
+
+
+def _child(loader, transform, q, done, parent: int) -> None:
+    """The child process: each batch into ``q``, then ``("end", None)`` or the error; stays
+    until ``done`` (it serves the shared memory of the batches it sent) or the parent is gone."""
+    import pickle
+
+    torch.set_num_threads(1)  # one core's worth of collation; the step keeps the rest
+    stop = _Gone(done, parent)
+
+    def put(item) -> bool:
+        return _put(q, stop, item)
+
+    try:
+        for batch in loader:
+            if transform is not None:
+                batch = transform(batch)
+            if not put(("batch", batch)):
+                return
+        put(("end", None))
+    except BaseException as e:  # noqa: BLE001 - raised in the training loop instead
+        text = traceback.format_exc()
+        try:
+            pickle.dumps(e)
+        except Exception:  # noqa: BLE001 - an exception that cannot cross: its text does
+            e = RuntimeError(f"{type(e).__name__}: {e}")
+        put(("error", (e, text)))
+    while not done.wait(_POLL_S * 10) and not stop.is_set():
+        pass
+
+
+class _Gone:
+    """The child's stop flag: the parent said it is done, or has died."""
+
+    def __init__(self, done, parent: int) -> None:
+        self.done, self.parent = done, parent
+
+    def is_set(self) -> bool:
+        return self.done.is_set() or os.getppid() != self.parent

@@ -1,10 +1,12 @@
 """``slipstream.data.AsyncLoader``: the same batches in the same order, prepared ahead on a
-background thread; errors raised in the loop with the loader's traceback; an early stop leaves
-no thread behind."""
+background thread or in a child process; errors raised in the loop with the loader's traceback;
+an early stop leaves no thread or process behind."""
 
 from __future__ import annotations
 
 import gc
+import multiprocessing
+import os
 import threading
 import time
 import traceback
@@ -33,6 +35,14 @@ def _loader_threads():
     return [t for t in threading.enumerate() if t.name == "slipstream-async-loader"]
 
 
+def _loader_processes():
+    return [p for p in multiprocessing.active_children() if p.name == "slipstream-async-loader"]
+
+
+def _pid_of(b):
+    return {**b, "pid": os.getpid()}
+
+
 def test_same_batches_in_order_with_the_transform_run_on_the_background_thread():
     source = _batches(7)
     where = []
@@ -49,6 +59,63 @@ def test_same_batches_in_order_with_the_transform_run_on_the_background_thread()
         assert torch.equal(b["input_ids"], s["input_ids"]) and torch.equal(b["double"], s["input_ids"] * 2)
     assert set(where) == {"slipstream-async-loader"}
     assert _wait(lambda: not _loader_threads())
+
+
+def test_a_process_gives_the_same_batches_in_order_collated_and_transformed_in_the_child():
+    source = _batches(7)
+    collated_in = []
+
+    def collating():  # as a DataLoader's iterator: the batch is built when asked for
+        for b in source:
+            yield {**b, "collated_in": os.getpid()}
+
+    loader = AsyncLoader(collating(), "cpu", transform=_pid_of, process=True, prefetch=3)
+    got = list(loader)
+    assert [b["n"] for b in got] == list(range(7))
+    for b, s in zip(got, source):
+        assert torch.equal(b["input_ids"], s["input_ids"])
+        collated_in.append(b["collated_in"])
+        assert b["pid"] == b["collated_in"]  # the transform ran where the batch was collated
+    assert len(set(collated_in)) == 1 and collated_in[0] != os.getpid()
+    assert _wait(lambda: not _loader_threads() and not _loader_processes())
+
+
+def test_a_process_raises_the_loaders_error_in_the_loop_and_a_dead_process_is_named():
+    def failing_collate():
+        for i in range(5):
+            if i == 2:
+                raise ValueError("record 2 is malformed")
+            yield i
+
+    seen = []
+    with pytest.raises(ValueError, match="record 2 is malformed") as err:
+        for b in AsyncLoader(failing_collate(), process=True):
+            seen.append(b)
+    assert seen == [0, 1]
+    assert "failing_collate" in str(err.value.__cause__), err.value.__cause__  # the child's traceback
+    assert _wait(lambda: not _loader_threads() and not _loader_processes())
+
+    def dying():
+        yield 0
+        os._exit(3)
+
+    with pytest.raises(RuntimeError, match=r"its process exited \(code 3\)"):
+        list(AsyncLoader(dying(), process=True))
+    assert _wait(lambda: not _loader_threads() and not _loader_processes())
+
+
+def test_leaving_a_process_loop_early_stops_the_child():
+    def endless():
+        i = 0
+        while True:
+            yield torch.tensor([i])
+            i += 1
+
+    for b in AsyncLoader(endless(), prefetch=2, process=True):
+        if int(b) == 3:
+            break
+    gc.collect()
+    assert _wait(lambda: not _loader_threads() and not _loader_processes()), "the loader outlived the loop"
 
 
 def test_the_next_batch_is_prepared_while_the_step_runs():
@@ -123,8 +190,8 @@ def test_batches_arrive_on_the_cuda_device_equal_to_the_source():
         assert b["input_ids"].is_cuda and torch.equal(b["input_ids"].cpu(), s["input_ids"]) and b["n"] == s["n"]
 
 
-def test_bench_loader_runs_both_loops_on_the_same_batches(tmp_path):
-    """The bench end to end (tiny): both loops complete every step; the figure itself is a
+def test_bench_loader_runs_the_three_loops_on_the_same_batches(tmp_path):
+    """The bench end to end (tiny): the plain, thread and process loops complete every step; the figure itself is a
     measurement, reported, not asserted."""
     import json
 
@@ -135,4 +202,5 @@ def test_bench_loader_runs_both_loops_on_the_same_batches(tmp_path):
                  "--json", str(out)]) == 0
     record = json.loads(out.read_text())
     assert len(record["rounds"]) == 2 and all(r["collate_s"] > 0 for r in record["rounds"])
-    assert not _loader_threads()
+    assert all(r["process_s"] > 0 for r in record["rounds"]) and "hidden_process_median" in record
+    assert not _loader_threads() and not _loader_processes()

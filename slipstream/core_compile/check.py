@@ -15,8 +15,8 @@ a batch of 8 (BatchNorm over few values per channel) has eager float32 itself 3e
 float64 run on the loss and 3e-2 on the gradients; inductor lands 2e-5 and 3e-2 away. So a
 candidate beyond the dtype's tolerance from eager is judged against the exact answer: the same
 batch on a float64 copy of the model (``float64_run``). It passes if it is no further from it
-than ``FLOOR_FACTOR`` times eager's own distance, i.e. as accurate as eager up to a different
-rounding order. Models whose copy would not fit (``FLOAT64_MAX_BYTES``) or cannot be copied,
+than ``FLOOR_FACTOR`` (3) times eager's own distance, i.e. as accurate as eager up to a
+different rounding order. Models whose copy would not fit (``FLOAT64_MAX_BYTES``) or cannot be copied,
 and hooked models (checked on the loss only), keep the plain tolerance.
 """
 
@@ -36,8 +36,11 @@ TOLERANCES = {
     torch.bfloat16: (2e-2, 5e-2),
     torch.float16: (5e-3, 1e-2),
 }
-# a candidate may be this many times further than eager from the float64 run
-FLOOR_FACTOR = 2.0
+# a candidate may be this many times further than eager from the float64 run. On a ResNet-50
+# (random init, batch 8), eager's own float32 orders (2 threads, 1 thread, channels-last) land
+# 0.9-1.2x eager's distance from float64 and 1.4x that apart from each other, and inductor
+# 1.3-2.0x; a wrong result (a lost term, a mis-scaled op) is orders of magnitude beyond.
+FLOOR_FACTOR = 3.0
 # the float64 copy is made only for models up to this size (parameters, in float64)
 FLOAT64_MAX_BYTES = 2 << 30
 
@@ -164,6 +167,6 @@ def compare(model: torch.nn.Module, eager, candidate, args, kwargs, *, gradients
     err = _errors(loss, grads, *exact)
     for what, e, f, tol in (("loss", err[0], floor[0], loss_tol), ("gradients", err[1], floor[1], grad_tol)):
         if not e <= max(tol, FLOOR_FACTOR * f):
-            raise Mismatch(f"{beyond}; against a float64 run its {what} is {e:.2e} off, eager's {f:.2e} "
+            raise Mismatch(f"{beyond}; against a float64 run: {what} {e:.2e} off, eager's {f:.2e} "
                            f"(> {FLOOR_FACTOR:g}x)")
     return grad_err
