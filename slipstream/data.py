@@ -83,15 +83,11 @@ class _Prefetcher(Iterator):
     def __next__(self):
         if self._done:
             raise StopIteration
-        while True:
-            try:
-                item = self._queue.get(timeout=_POLL_S)
-                break
-            except queue.Empty:
-                if not self._thread.is_alive() and self._queue.empty():
-                    self.close()
-                    raise RuntimeError("slipstream AsyncLoader: the loader thread ended without a batch or an "
-                                       "error") from None
+        try:
+            item = _get(self._queue, self._thread.is_alive)
+        except queue.Empty:
+            self.close()
+            raise RuntimeError("slipstream AsyncLoader: the loader thread ended without a batch or an error") from None
         if item is _END:
             self.close()
             raise StopIteration
@@ -152,6 +148,17 @@ def _produce(loader, transform, q: queue.Queue, stop: threading.Event, device, s
         close = getattr(batches, "close", None)  # a generator's (a child process's) clean-up runs now
         if close is not None:
             close()
+
+
+def _get(q, alive: Callable[[], bool]):
+    """The next item of ``q``, waiting while ``alive()``; once the producer is gone, what it
+    put just before going, else ``queue.Empty``."""
+    while True:
+        try:
+            return q.get(timeout=_POLL_S)
+        except queue.Empty:
+            if not alive():
+                return q.get(timeout=_POLL_S)
 
 
 def _put(q: queue.Queue, stop: threading.Event, item) -> bool:
@@ -217,15 +224,10 @@ class _Forked:
         try:
             while True:
                 try:
-                    kind, payload = q.get(timeout=_POLL_S)
+                    kind, payload = _get(q, child.is_alive)
                 except queue.Empty:
-                    if child.is_alive():
-                        continue
-                    try:  # it may have sent its last item just before it went
-                        kind, payload = q.get(timeout=_POLL_S)
-                    except queue.Empty:
-                        raise RuntimeError(f"slipstream AsyncLoader: its process exited (code {child.exitcode}) "
-                                           "without a batch or an error") from None
+                    raise RuntimeError(f"slipstream AsyncLoader: its process exited (code {child.exitcode}) "
+                                       "without a batch or an error") from None
                 if kind == "end":
                     return
                 if kind == "error":
@@ -252,24 +254,20 @@ def _child(loader, transform, q, done, parent: int) -> None:
 
     torch.set_num_threads(1)  # one core's worth of collation; the step keeps the rest
     stop = _Gone(done, parent)
-
-    def put(item) -> bool:
-        return _put(q, stop, item)
-
     try:
         for batch in loader:
             if transform is not None:
                 batch = transform(batch)
-            if not put(("batch", batch)):
+            if not _put(q, stop, ("batch", batch)):
                 return
-        put(("end", None))
+        _put(q, stop, ("end", None))
     except BaseException as e:  # noqa: BLE001 - raised in the training loop instead
         text = traceback.format_exc()
         try:
             pickle.dumps(e)
         except Exception:  # noqa: BLE001 - an exception that cannot cross: its text does
             e = RuntimeError(f"{type(e).__name__}: {e}")
-        put(("error", (e, text)))
+        _put(q, stop, ("error", (e, text)))
     while not done.wait(_POLL_S * 10) and not stop.is_set():
         pass
 

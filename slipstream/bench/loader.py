@@ -120,10 +120,9 @@ def run(args: argparse.Namespace) -> int:
             times[kind] = _loop(batches, step)
             if kind == "plain":
                 collated = source.seconds
+        hidden = {k: (times["plain"] - times[k]) / collated if collated else float("nan") for k in kinds[1:]}
         rounds.append({"plain_s": times["plain"], "async_s": times["thread"], "process_s": times["process"],
-                       "collate_s": collated,
-                       "hidden": (times["plain"] - times["thread"]) / collated if collated else float("nan"),
-                       "hidden_process": (times["plain"] - times["process"]) / collated if collated else float("nan")})
+                       "collate_s": collated, "hidden": hidden["thread"], "hidden_process": hidden["process"]})
     record = {"steps": args.steps, "step_ms": args.step_ms, "collate_ms": args.collate_ms,
               "threads": torch.get_num_threads(), "rounds": rounds,
               "hidden_median": statistics.median(r["hidden"] for r in rounds),
