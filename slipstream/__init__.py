@@ -11,11 +11,11 @@ makes it the default for CPU, ``slipstream.disable()`` undoes that exactly, and
 slipstream imports torch.distributed, never an optional framework.
 """
 
-from .core_comm._backend_registry import register as _register
-from .core_comm.ddp_hook import DDPHookState, ddp_hook
-from .core_compile.autotune import compile, compile_report, uncompile
-from .core_compile.compile_config import CompileConfig
-from .report import status
+from .core_comm.backend.registry import register as _register
+from .core_comm.backend.ddp_hook import DDPHookState, ddp_hook
+from .core_compile.autotune.autotuner import compile, compile_report, uncompile
+from .core_compile.autotune.config import CompileConfig
+from ._status import status
 from .switch import disable, enable, is_enabled
 
 __version__ = "0.1.0"

@@ -1,6 +1,6 @@
 """``slipstream.accelerate.Accelerator``: ``accelerate.Accelerator`` with slipstream's FSDP
-adapter installed (see ``slipstream.plugins.fsdp.accelerate``)."""
+adapter installed (see ``slipstream.plugins.accelerate``)."""
 
-from .plugins.fsdp.accelerate import Accelerator, install, uninstall
+from .plugins.accelerate import Accelerator, install, uninstall
 
 __all__ = ["Accelerator", "install", "uninstall"]

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
 from .core_comm.config import CommConfig, check_field
-from .core_compile.compile_config import CompileConfig
-from .core_compile.varlen import VarlenConfig
+from .core_compile.autotune.config import CompileConfig
+from .core_compile.varlen.hf_model import VarlenConfig
 
 __all__ = ["CONFIG_VAR", "SlipstreamConfig", "config_from_env", "load_config_file", "resolve_comm"]
 
@@ -40,7 +40,7 @@ class SlipstreamConfig:
     """The compile strategy chosen by measurement (``slipstream.compile``); None: no compile."""
     keep_freed_memory: bool = True
     """On a CPU accelerator, keep the memory tensors free in the process for the next step
-    (``slipstream.cpu_memory``): fewer page faults a step, resident memory stays at its peak."""
+    (``slipstream.plugins.cpu_memory``): fewer page faults a step, resident memory stays at its peak."""
 
     @classmethod
     def from_dict(cls, section: Mapping[str, Any] | None, where: str = "slipstream", *,

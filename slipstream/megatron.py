@@ -2,9 +2,20 @@
 the core, the compile hook, and packed (THD) sequences for the local attention (see
 ``slipstream.plugins.megatron``)."""
 
-from .plugins.megatron import (add_arguments, chain, disable_compile, disable_packed_attention, enable_compile,
-                               enable_packed_attention, initialize, local_spec, pack_batch, packed_attention,
-                               process_groups, restore_process_groups)
+from .plugins.megatron import (
+    add_arguments,
+    chain,
+    disable_compile,
+    disable_packed_attention,
+    enable_compile,
+    enable_packed_attention,
+    initialize,
+    local_spec,
+    pack_batch,
+    packed_attention,
+    process_groups,
+    restore_process_groups,
+)
 
 __all__ = ["PackedDotProductAttention", "add_arguments", "chain", "disable_compile", "disable_packed_attention",
            "enable_compile", "enable_packed_attention", "initialize", "local_spec", "pack_batch", "packed_attention", "process_groups",

@@ -22,11 +22,11 @@ import sys
 
 import torch.distributed as dist
 
-from .core_comm import _backend_registry as registry
+from .core_comm.backend import registry
 from .core_comm.config import CommConfig
 from .plugins import autoload
-from .plugins._patch import patch, unpatch
-from .report import warn_once
+from ._common.patch import patch, unpatch
+from ._status import warn_once
 
 __all__ = ["disable", "enable", "is_enabled", "note_source"]
 

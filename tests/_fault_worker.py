@@ -46,7 +46,7 @@ def _fault_now() -> None:
 def _die_holding_a_segment() -> None:
     """Make group rank 0 of the communicator exit once its segment exists, before the others
     learn the name (the set-up's window in which only the creator knows it)."""
-    from slipstream.core_comm import _shm_segment
+    from slipstream.core_comm.collectives import segment as _shm_segment
 
     class Dist:
         def __getattr__(self, name):

@@ -15,7 +15,7 @@ from _dist import from_bytes as _load
 from _dist import int_values as _values
 from _dist import run_ranks
 from _dist import to_bytes as _bytes
-from slipstream.core_comm.backend import SlipstreamProcessGroup
+from slipstream.core_comm.backend.process_group import SlipstreamProcessGroup
 
 TWO_NODES = [{"SLIPSTREAM_NODE": str(r // 2)} for r in range(4)]
 
@@ -221,7 +221,7 @@ def test_refused_calls_behave_as_gloo():
 
 
 def test_pg_options_must_be_a_comm_config():
-    from slipstream.core_comm.backend import create_process_group
+    from slipstream.core_comm.backend.process_group import create_process_group
 
     with pytest.raises(TypeError, match="CommConfig"):
         create_process_group(None, pg_options=object())

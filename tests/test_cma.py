@@ -9,10 +9,10 @@ import torch
 import torch.distributed as dist
 
 from _dist import run_ranks
-from slipstream.core_comm import cma
+from slipstream.core_comm.collectives import cma
 from slipstream.core_comm._compat import all_gather_into_tensor, reduce_scatter_tensor
-from slipstream.core_comm.cma import CmaComm
-from slipstream.core_comm.shm import ShmComm, ShmError
+from slipstream.core_comm.collectives.cma import CmaComm
+from slipstream.core_comm.collectives.shm import ShmComm, ShmError
 
 R = dist.ReduceOp
 OPS = [R.SUM, R.AVG, R.MAX, R.MIN, R.PRODUCT]

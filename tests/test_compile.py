@@ -17,10 +17,11 @@ import torch
 import slipstream
 from _dist import from_bytes, run_ranks, to_bytes
 from slipstream import CompileConfig
-from slipstream.core_compile import CompileFallbackWarning, strategy
+from slipstream.core_compile import CompileFallbackWarning
+from slipstream.core_compile.autotune import strategy
 
 pytestmark = pytest.mark.skipif(
-    __import__("slipstream.core_compile.fuse", fromlist=["compiler_problem"]).compiler_problem("cpu") is not None,
+    __import__("slipstream.core_compile.varlen.fuse", fromlist=["compiler_problem"]).compiler_problem("cpu") is not None,
     reason="torch.compile cannot run on this machine's CPU (no C++ compiler)")
 
 
@@ -196,7 +197,7 @@ def test_a_skewed_candidate_is_rejected_by_the_search(tmp_path):
 
 
 def test_a_candidate_over_twice_eagers_step_is_not_timed_further(tmp_path, monkeypatch):
-    from slipstream.core_compile import autotune
+    from slipstream.core_compile.autotune import autotuner as autotune
 
     build = strategy.build
 
@@ -241,7 +242,7 @@ class Cancels(torch.nn.Module):
 
 
 def test_a_candidate_beyond_the_dtype_tolerance_but_as_accurate_as_eager_passes_the_check(monkeypatch):
-    from slipstream.core_compile import check
+    from slipstream.core_compile.autotune import check
 
     model, x = Cancels(), torch.tensor([501 * 2.0 ** -11])
     reordered = lambda x: model(x, offset=1e4 + 2.0 ** -10)  # noqa: E731

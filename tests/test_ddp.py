@@ -16,7 +16,7 @@ import slipstream
 from _dist import run_ranks
 from slipstream.bench._ddp_worker import batch, make_model
 from slipstream.core_comm import counters
-from slipstream.core_comm.backend import SlipstreamProcessGroup
+from slipstream.core_comm.backend.process_group import SlipstreamProcessGroup
 
 TWO_NODES = [{"SLIPSTREAM_NODE": str(r // 2)} for r in range(4)]
 WIDTH, DEPTH, STEPS = 256, 2, 4  # 132 k parameters: several 0.25 MB buckets, each past the latency path

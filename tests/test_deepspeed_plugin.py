@@ -65,7 +65,7 @@ def _train_mlp(stage, section, steps, gas, hidden=64, bucket=2000, engines=None)
 
 def _parity(rank, world, stage, gas, hidden=64, bucket=2000):
     from slipstream.core_comm import counters
-    from slipstream.cpu_memory import is_keeping_freed_memory
+    from slipstream.plugins.cpu_memory import is_keeping_freed_memory
     from slipstream.plugins.deepspeed import installed_backend, uninstall
     from slipstream.plugins.deepspeed.zero import is_patched
 
@@ -278,7 +278,7 @@ def test_tuned_buckets_only_where_deepspeed_overlaps_comm(monkeypatch, device, z
 
     import deepspeed.accelerator
 
-    from slipstream.core_comm.tuner import BucketSizes
+    from slipstream.core_comm.tuner.tuner import BucketSizes
     from slipstream.plugins.deepspeed import engine
     from slipstream.plugins.deepspeed.translate import zero_buckets
 

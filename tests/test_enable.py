@@ -11,8 +11,8 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 import slipstream
-from slipstream.core_comm import _backend_registry as registry
-from slipstream.core_comm.backend import SlipstreamProcessGroup
+from slipstream.core_comm.backend import registry
+from slipstream.core_comm.backend.process_group import SlipstreamProcessGroup
 from slipstream.core_comm.config import CommConfig
 
 

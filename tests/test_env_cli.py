@@ -4,7 +4,7 @@ import json
 import subprocess
 import sys
 
-from slipstream.core_comm.shm import is_supported_platform
+from slipstream.core_comm.collectives.shm import is_supported_platform
 
 
 def _cli(*args, timeout=120):

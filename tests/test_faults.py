@@ -25,7 +25,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from slipstream.core_comm._shm_segment import SHM_DIR
+from slipstream.core_comm.collectives.segment import SHM_DIR
 
 pytestmark = pytest.mark.faults
 

@@ -7,7 +7,7 @@ import pytest
 pytest.importorskip("deepspeed")
 
 from slipstream.cli import main  # noqa: E402
-from slipstream.recipes.data import AlpacaFormatError  # noqa: E402
+from slipstream.recipes.alpaca import AlpacaFormatError  # noqa: E402
 
 
 @pytest.mark.slow

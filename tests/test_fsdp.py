@@ -154,7 +154,7 @@ def test_the_accelerate_patches_install_and_uninstall_exactly():
     import accelerate.accelerator as acc
     import accelerate.state as state
 
-    from slipstream.plugins.fsdp import accelerate as adapter
+    from slipstream.plugins.accelerate import adapter
 
     def now():
         return (acc.fsdp2_prepare_model, state.AcceleratorState.__dict__["__init__"],
@@ -210,7 +210,7 @@ def _hsdp(rank, world, ours):
         st = slipstream.status()
         assert st["enabled_by"] == "slipstream.fsdp.apply", st
         assert st["stacks"]["fsdp"]["modules_through_the_core"] == 4, st
-        assert "hsdp_replicate_all_reduce through the core" in slipstream.report.line(st), st
+        assert "hsdp_replicate_all_reduce through the core" in slipstream._status.line(st), st
         fsdp.remove(model)
         from torch.distributed.fsdp._fully_shard import _fsdp_collectives
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from slipstream.core_compile import VarlenConfig, apply_varlen, unpatch_varlen
-from slipstream.core_compile import fuse
+from slipstream.core_compile.varlen import fuse
 from slipstream.recipes.model import build_model
 
 from _varlen_ref import VOCAB, assert_step_matches_padded  # noqa: E402

@@ -10,8 +10,8 @@ import torch.distributed as dist
 from _dist import run_ranks
 from slipstream.core_comm import CommConfig, Communicator
 from slipstream.core_comm._compat import all_gather_into_tensor, reduce_scatter_tensor
-from slipstream.core_comm.hierarchical import GlooInter, Hierarchical, _ramped, _rows, _select
-from slipstream.core_comm.shm import ShmComm
+from slipstream.core_comm.collectives.hierarchical import GlooInter, Hierarchical, _ramped, _rows, _select
+from slipstream.core_comm.collectives.shm import ShmComm
 from slipstream.core_comm.topology import Topology
 
 R = dist.ReduceOp

@@ -140,7 +140,7 @@ def test_the_argument_provider_parses_chains_and_refuses_bad_values(tmp_path):
     assert "--slipstream-varlen" in parser.format_help()
     try:
         assert not megatron.initialize(parser.parse_args(["--slipstream-varlen"]))
-        assert DotProductAttention.forward is not stock and "packed (THD)" in slipstream.report.line()
+        assert DotProductAttention.forward is not stock and "packed (THD)" in slipstream._status.line()
     finally:
         megatron.disable_packed_attention()
     assert DotProductAttention.forward is stock

@@ -2,7 +2,7 @@
 
 import types
 
-from slipstream.plugins import _patch
+from slipstream._common import patch as _patch
 
 
 def test_patch_is_idempotent_keeps_the_original_and_undoes_exactly():

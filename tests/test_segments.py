@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from _dist import run_ranks
-from slipstream.core_comm._shm_segment import SHM_DIR, segment_name, sweep_stale
+from slipstream.core_comm.collectives.segment import SHM_DIR, segment_name, sweep_stale
 
 pytestmark = pytest.mark.faults
 
@@ -33,7 +33,7 @@ def test_sweep_removes_only_our_segments_of_dead_processes(tmp_path):
 
 def test_env_clean_removes_them_and_says_which(tmp_path, monkeypatch, capsys):
     from slipstream.cli import main
-    from slipstream.core_comm import _shm_segment
+    from slipstream.core_comm.collectives import segment as _shm_segment
 
     stale = tmp_path / segment_name(_dead_pid())
     stale.write_bytes(b"x")
@@ -44,7 +44,8 @@ def test_env_clean_removes_them_and_says_which(tmp_path, monkeypatch, capsys):
 
 def _name_taken(rank, world, taken):
     """Group rank 0's new segment name is already taken (by a file that is not ours)."""
-    from slipstream.core_comm import Communicator, CommConfig, _shm_segment
+    from slipstream.core_comm import Communicator, CommConfig
+    from slipstream.core_comm.collectives import segment as _shm_segment
 
     _shm_segment.segment_name = lambda pid: os.path.basename(taken)
     comm = Communicator(None, config=CommConfig(timeout_s=20))

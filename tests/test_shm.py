@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from _dist import run_ranks
-from slipstream.core_comm.shm import ShmComm, ShmError
+from slipstream.core_comm.collectives.shm import ShmComm, ShmError
 
 R = dist.ReduceOp
 OPS = [R.SUM, R.AVG, R.MAX, R.MIN, R.PRODUCT]

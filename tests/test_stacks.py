@@ -169,7 +169,7 @@ def _status_after_calls(rank, world):
 
     import slipstream
     from slipstream.core_comm import counters
-    from slipstream.report import line
+    from slipstream._status import line
 
     counters.reset()
     x = torch.ones(1 << 16)

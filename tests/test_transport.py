@@ -11,9 +11,10 @@ import torch.distributed as dist
 
 from _dist import free_port, run_ranks
 from slipstream.bench import transport as bench
-from slipstream.core_comm import CommConfig, Communicator, transport
+from slipstream.core_comm import CommConfig, Communicator
+from slipstream.core_comm.transport import tcp as transport
 from slipstream.core_comm._compat import all_gather_into_tensor, reduce_scatter_tensor
-from slipstream.core_comm.transport import MultiConnInter, TransportError, _split, endpoint_from_env
+from slipstream.core_comm.transport.tcp import MultiConnInter, TransportError, _split, endpoint_from_env
 
 R = dist.ReduceOp
 LOOPBACK = {"GLOO_SOCKET_IFNAME": "lo"}
@@ -141,7 +142,7 @@ def _foreign_connections(rank, world):
     silent one, one that sends garbage, one that greets with a wrong token."""
     import socket
 
-    from slipstream.core_comm import _tcp
+    from slipstream.core_comm.transport import _lanes as _tcp
 
     _tcp._GREETING_S = 0.5
     foreign = []

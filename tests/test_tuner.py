@@ -14,9 +14,19 @@ from _dist import run_ranks
 from slipstream.core_comm import Choice, CommConfig, Communicator
 from slipstream.plugins.deepspeed.translate import zero_buckets
 from slipstream.plugins.fsdp.translate import wrap_policy_kwargs
-from slipstream.core_comm.tuner import (
-    SIZE_CLASSES, BucketSizes, Entry, TuneKey, TunedPlan, Tuner, TunerCacheWarning, _read_cache,
-    _write_cache, load_plan, model_plan, tuned_communicator,
+from slipstream.core_comm.tuner.tuner import (
+    SIZE_CLASSES,
+    BucketSizes,
+    Entry,
+    TuneKey,
+    TunedPlan,
+    Tuner,
+    TunerCacheWarning,
+    _read_cache,
+    _write_cache,
+    load_plan,
+    model_plan,
+    tuned_communicator,
 )
 
 KEY = TuneKey(world_size=4, node_sizes=(2, 2), paths="hierarchical", torch="2.13.0", slipstream="0.1.0")
@@ -235,7 +245,7 @@ def _tune_connections(rank, world, cache_dir):
 
 
 def test_connections_are_measured_across_nodes_and_the_plan_config_uses_the_winner(tmp_path):
-    pytest.importorskip("slipstream.core_comm.transport")
+    pytest.importorskip("slipstream.core_comm.transport.tcp")
     out = run_ranks(_tune_connections, 4, str(tmp_path), timeout=120,
                     rank_env=[{"SLIPSTREAM_NODE": str(n)} for n in (0, 0, 1, 1)])
     plans = [p for p, _, _ in out]

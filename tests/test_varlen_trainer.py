@@ -68,7 +68,7 @@ def _train(tmp_path, varlen):
 
 
 def test_trainer_with_flatten_collator_matches_padded_training(tmp_path, monkeypatch):
-    from slipstream.core_compile import varlen as varlen_module
+    from slipstream.core_compile.varlen import hf_model as varlen_module
 
     calls = []
     real = varlen_module.varlen_attention

@@ -62,7 +62,7 @@ def gpt(hidden: int, layers: int, heads: int, vocab: int, max_length: int, tp: i
 def next_token_batch(samples: list[dict], pad_id: int) -> dict:
     """Padded ``tokens`` and Megatron's labels (the next token at each position), with the loss
     mask of the positions that have a target."""
-    from slipstream.recipes.data import pad_batch
+    from slipstream.recipes.alpaca import pad_batch
 
     b = pad_batch(samples, pad_id)
     target = torch.full_like(b["labels"], -100)
@@ -98,7 +98,7 @@ def main() -> None:
 
     from slipstream.core_comm import counters
     from slipstream.megatron import pack_batch
-    from slipstream.recipes._finetune_worker import load_samples, step_micro_batches
+    from slipstream.recipes._deepspeed_worker import load_samples, step_micro_batches
     from slipstream.recipes.tokenizer import load_tokenizer
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tp)

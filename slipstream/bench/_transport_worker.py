@@ -20,7 +20,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from slipstream.core_comm.transport import MultiConnInter, endpoint_from_env
+from slipstream.core_comm.transport.tcp import MultiConnInter, endpoint_from_env
 
 
 def _inter_group(world: int, per_node: int) -> dist.ProcessGroup:

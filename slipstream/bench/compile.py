@@ -220,7 +220,7 @@ def run(args: argparse.Namespace) -> int:
     if args.steps < 1 or args.eager_steps < WARM_STEPS + 1 or args.batch_size < 1:
         raise SystemExit(f"--steps and --batch-size must be >= 1, --eager-steps >= {WARM_STEPS + 1}")
     if args.strategies:
-        from slipstream.core_compile.strategy import candidates
+        from slipstream.core_compile.autotune.strategy import candidates
 
         try:
             candidates("cpu", names=args.strategies.split(","))

@@ -57,7 +57,7 @@ from typing import Any
 import torch
 
 from slipstream.core_compile import FlattenCollator, VarlenConfig, apply_varlen
-from slipstream.recipes.data import pad_batch
+from slipstream.recipes.alpaca import pad_batch
 
 from ._output import cpu_model, emit
 

@@ -18,14 +18,14 @@ from slipstream.core_comm import Communicator, pool
 from slipstream.core_comm.topology import host_identity, node_key_from_env
 from slipstream.plugins.deepspeed.translate import zero_buckets
 from slipstream.plugins.fsdp.translate import wrap_policy_kwargs
-from slipstream.core_comm.tuner import KINDS, TuneKey, _buffers, default_cache_dir, load_plan
+from slipstream.core_comm.tuner.tuner import KINDS, TuneKey, _buffers, default_cache_dir, load_plan
 
 _PROBE_SIZES = (4 << 10, 1 << 20, 64 << 20)  # full buffers, as `slipstream bench comm`
 
 
 def _has_transport() -> bool:
     try:
-        from slipstream.core_comm import transport  # noqa: F401
+        from slipstream.core_comm.transport import tcp as transport  # noqa: F401
     except ImportError:
         return False
     return True

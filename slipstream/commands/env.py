@@ -105,7 +105,7 @@ def _text(r: dict) -> str:
 
 def run(args: argparse.Namespace) -> int:
     if getattr(args, "clean", False):
-        from slipstream.core_comm._shm_segment import sweep_stale
+        from slipstream.core_comm.collectives.segment import sweep_stale
 
         removed = sweep_stale()
         print(f"removed {len(removed)} stale shared-memory segment(s)" + "".join(f"\n  {p}" for p in removed))
@@ -127,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
             result = json.load(f)
     result["launch"] = {"nodes": spec.nodes, "ranks_per_node": spec.ranks_per_node, "link": spec.link}
     result["versions"] = versions()
-    from slipstream.report import _autoload
+    from slipstream._status import _autoload
 
     result["autoload"] = _autoload()
     if args.json:

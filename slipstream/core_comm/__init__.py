@@ -8,7 +8,7 @@ Never imports an optional framework.
 from . import counters, pool
 from .communicator import Choice, Communicator, Plan, Work
 from .config import CommConfig
-from .shm import ShmComm, ShmError
+from .collectives.shm import ShmComm, ShmError
 from .topology import Topology, detect_topology
 
 __all__ = ["Choice", "CommConfig", "Communicator", "Plan", "ShmComm", "ShmError", "Topology", "Work", "counters",

@@ -33,15 +33,15 @@ import torch
 import torch.distributed as dist
 
 from . import counters
-from .agree import CallCheck, describe
+from .call_check import CallCheck, describe
 from ._compat import all_gather_into_tensor, reduce_scatter_tensor
-from .cma import MIN_BYTES as CMA_MIN_BYTES, CmaComm
+from .collectives.cma import MIN_BYTES as CMA_MIN_BYTES, CmaComm
 from .config import CommConfig
 from .groups import group_ranks, node_subgroups
-from .hierarchical import Hierarchical
+from .collectives.hierarchical import Hierarchical
 from .routing import check_coalesced, chain, refusal, split_op, unflatten
-from .shm import ShmComm, ShmError, _check_sizes, is_supported_platform
-from .staging import CudaStaging
+from .collectives.shm import ShmComm, ShmError, _check_sizes, is_supported_platform
+from .collectives.staging import CudaStaging
 from .topology import Topology, detect_topology
 
 __all__ = ["Choice", "Communicator", "Plan", "Work", "as_torch_future"]
@@ -157,7 +157,7 @@ class Communicator:
     def _inter_transport(self, inter: dist.ProcessGroup):
         if self.config.connections == 1:
             return inter
-        from .transport import MultiConnInter  # collective over ``inter``
+        from .transport.tcp import MultiConnInter  # collective over ``inter``
 
         cfg = self.config
         ports = range(cfg.port_base, 65536) if cfg.port_base else None

@@ -64,7 +64,7 @@ class CommunicatorPool:
                     # interpreter's end died with SIGABRT, 2 runs in 6, after an FSDP job)
                     atexit.register(self.close_all)
                     self._exit_hook = True
-                from ..report import announce
+                from .._status import announce
 
                 announce()
             elif config is not None and config != self._asked[key] and (key, config) not in self._warned:
@@ -116,7 +116,7 @@ def _ranks(group) -> list[int]:
 
 
 def _build(group, config: CommConfig | None, tuned: bool) -> Communicator:
-    from .backend import SlipstreamProcessGroup
+    from .backend.process_group import SlipstreamProcessGroup
     from .groups import new_gloo_group
 
     config = config if config is not None else CommConfig.from_env()
@@ -127,7 +127,7 @@ def _build(group, config: CommConfig | None, tuned: bool) -> Communicator:
         over = new_gloo_group(list(group.global_ranks), timedelta(seconds=config.timeout_s))
         checker = group.call_check  # one sequence of checks per group, the backend's and ours
     if tuned:
-        from .tuner import tuned_communicator
+        from .tuner.tuner import tuned_communicator
 
         return tuned_communicator(over, config=config, checker=checker)
     return Communicator(over, config=config, checker=checker)

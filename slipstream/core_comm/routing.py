@@ -12,7 +12,7 @@ from concurrent.futures import Future
 import torch
 import torch.distributed as dist
 
-from .shm import ShmComm
+from .collectives.shm import ShmComm
 
 __all__ = ["chain", "check_coalesced", "refusal", "split_op", "unflatten"]
 

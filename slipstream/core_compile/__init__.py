@@ -12,18 +12,18 @@ Apply the pass, collate flat, normalise the loss per step::
     loss = model(**batch).loss                        # exact, on real tokens only
 """
 
-from .attention import BACKENDS, available_backends, varlen_attention
-from .autotune import compile, compile_report, uncompile
-from .compile_config import CompileConfig, CompileFallbackWarning, CompileReport
-from .collator import CollatorConfig, FlattenCollator, best_fit_decreasing
-from .loss import GradReduction, count_target_tokens, global_token_count, step_loss, sum_cross_entropy
-from .packing import PackedBatch
-from .sampler import TokenBalancedBatchSampler, balance
-from .varlen import SUPPORTED_MODEL_TYPES, VarlenConfig
-from .varlen import apply as apply_varlen
-from .varlen import is_patched as is_varlen_patched
-from .varlen import patched as varlen_patched
-from .varlen import unpatch as unpatch_varlen
+from .varlen.attention import BACKENDS, available_backends, varlen_attention
+from .autotune.autotuner import compile, compile_report, uncompile
+from .autotune.config import CompileConfig, CompileFallbackWarning, CompileReport
+from .varlen.collator import CollatorConfig, FlattenCollator, best_fit_decreasing
+from .varlen.loss import GradReduction, count_target_tokens, global_token_count, step_loss, sum_cross_entropy
+from .varlen.packing import PackedBatch
+from .varlen.sampler import TokenBalancedBatchSampler, balance
+from .varlen.hf_model import SUPPORTED_MODEL_TYPES, VarlenConfig
+from .varlen.hf_model import apply as apply_varlen
+from .varlen.hf_model import is_patched as is_varlen_patched
+from .varlen.hf_model import patched as varlen_patched
+from .varlen.hf_model import unpatch as unpatch_varlen
 
 __all__ = [
     "BACKENDS",

@@ -11,8 +11,8 @@ import logging
 from typing import Any, Mapping
 
 from ..config import SlipstreamConfig
-from ..core_comm._backend_registry import registered_config
-from ..cpu_memory import keep_freed_memory, release_freed_memory
+from ..core_comm.backend.registry import registered_config
+from .cpu_memory import keep_freed_memory, release_freed_memory
 
 __all__ = ["apply_job_effects", "compile_model", "read_config", "undo_job_effects"]
 

@@ -15,7 +15,7 @@ import sys
 __all__ = ["install_hooks", "remove_hooks"]
 
 # stack module -> adapter module with install() / uninstall()
-ADAPTERS = {"deepspeed": "slipstream.plugins.deepspeed", "accelerate": "slipstream.plugins.fsdp.accelerate",
+ADAPTERS = {"deepspeed": "slipstream.plugins.deepspeed", "accelerate": "slipstream.plugins.accelerate",
             "megatron.core": "slipstream.plugins.megatron"}
 
 

@@ -1,6 +1,6 @@
 """Building blocks the recipes and benchmarks share: data, tokenizer, small models."""
 
-from .data import AlpacaFormatError, format_prompt, generate_alpaca, load_alpaca, tokenize_alpaca
+from .alpaca import AlpacaFormatError, format_prompt, generate_alpaca, load_alpaca, tokenize_alpaca
 from .model import MODEL_CONFIGS, build_model, count_parameters
 from .tokenizer import build_tokenizer, load_tokenizer
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 from ..cluster import ClusterSpec, launch
 
-WORKER = "slipstream.recipes._finetune_worker"
-WORKERS = {"deepspeed": WORKER, "fsdp": "slipstream.recipes._finetune_fsdp_worker"}
+WORKER = "slipstream.recipes._deepspeed_worker"
+WORKERS = {"deepspeed": WORKER, "fsdp": "slipstream.recipes._fsdp_worker"}
 # Options handed to every rank unchanged: (flag, attribute).
 _PASSED = [("--model", "model"), ("--tokenizer", "tokenizer"), ("--data", "data"), ("--samples", "samples"),
            ("--max-length", "max_length"), ("--steps", "steps"), ("--zero", "zero"),
@@ -60,7 +60,7 @@ def validate(args) -> None:
     """Refuse here, before any rank starts, what the ranks would refuse later: bad settings,
     data and config files, named."""
     from ..config import SlipstreamConfig
-    from .data import AlpacaFormatError, load_alpaca
+    from .alpaca import AlpacaFormatError, load_alpaca
     from .model import context_length
 
     for name in ("steps", "batch_size", "grad_accum", "nproc", "nodes", "max_length", "samples"):

@@ -38,7 +38,7 @@ def build_tokenizer(vocab_size: int = 8192, *, seed: int = 0, cache_dir: str | P
 def _train(vocab_size: int, seed: int, path: Path) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from .data import PROMPT_NO_INPUT, PROMPT_WITH_INPUT, generate_alpaca
+    from .alpaca import PROMPT_NO_INPUT, PROMPT_WITH_INPUT, generate_alpaca
 
     def corpus():
         for rec in generate_alpaca(_TRAIN_RECORDS, seed=seed):

@@ -14,10 +14,10 @@ import json
 import logging
 import os
 
-from ...report import announce, deferred, note_stack, warn_once
+from ..._status import announce, deferred, note_stack, warn_once
 from .._adapter import apply_job_effects, compile_model, read_config, undo_job_effects
-from .._patch import patch, unpatch
-from .comm import install_comm
+from ..._common.patch import patch, unpatch
+from .comm_backend import install_comm
 from .translate import zero_buckets
 from .zero import patch_zero_optimizer
 
@@ -185,7 +185,7 @@ def uninstall() -> None:
     deepspeed = sys.modules.get("deepspeed")
     if deepspeed is None:
         return
-    from .comm import uninstall_comm
+    from .comm_backend import uninstall_comm
     from .zero import unpatch_all
 
     unpatch(deepspeed, "initialize")

@@ -24,7 +24,7 @@ import functools
 
 import torch
 
-from .._patch import is_patched as _is_patched, patch, uninstall_all, unpatch
+from ..._common.patch import is_patched as _is_patched, patch, uninstall_all, unpatch
 
 __all__ = ["patch_zero_optimizer", "unpatch_zero_optimizer", "unpatch_all", "is_patched", "owner_layout"]
 

@@ -2,8 +2,17 @@
 hook (``adapter.py``), and packed (THD) sequences for the local attention (``packed.py``).
 Needs the ``megatron`` extra (``megatron-core``), imported lazily."""
 
-from .adapter import (add_arguments, chain, disable_compile, enable_compile, initialize, install, process_groups,
-                      restore_process_groups, uninstall)
+from .adapter import (
+    add_arguments,
+    chain,
+    disable_compile,
+    enable_compile,
+    initialize,
+    install,
+    process_groups,
+    restore_process_groups,
+    uninstall,
+)
 from .packed import disable_packed_attention, enable_packed_attention, local_spec, pack_batch, packed_attention
 
 __all__ = ["PackedDotProductAttention", "add_arguments", "chain", "disable_compile", "disable_packed_attention",

@@ -34,8 +34,8 @@ import logging
 
 import torch.distributed as dist
 
-from ...report import note_stack, warn_once
-from .._patch import is_patched, patch, unpatch
+from ..._status import note_stack, warn_once
+from ..._common.patch import is_patched, patch, unpatch
 
 __all__ = ["add_arguments", "chain", "disable_compile", "enable_compile", "initialize", "install", "process_groups",
            "restore_process_groups", "uninstall"]
@@ -102,7 +102,7 @@ def initialize(args: argparse.Namespace) -> bool:
     if compiling:  # the flag switches on the file's section, or the defaults
         import dataclasses
 
-        from ...core_compile.compile_config import CompileConfig
+        from ...core_compile.autotune.config import CompileConfig
 
         compile_config = dataclasses.replace(compile_config or CompileConfig(), enabled=True)
     if compile_config is not None and compile_config.enabled:
@@ -131,7 +131,7 @@ def enable_compile(config=None) -> None:
     from megatron.core.distributed import distributed_data_parallel as ddp_module
 
     from ...core_compile import compile as compile_
-    from ...core_compile.compile_config import CompileConfig
+    from ...core_compile.autotune.config import CompileConfig
 
     config = CompileConfig() if config is None else config
     if not isinstance(config, CompileConfig):

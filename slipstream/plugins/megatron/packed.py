@@ -26,9 +26,9 @@ import functools
 
 import torch
 
-from ...core_compile.attention import VarlenContext, varlen_attention
-from ...core_compile.packing import PackedBatch
-from .._patch import is_patched, patch, unpatch
+from ...core_compile.varlen.attention import VarlenContext, varlen_attention
+from ...core_compile.varlen.packing import PackedBatch
+from ..._common.patch import is_patched, patch, unpatch
 
 __all__ = ["PackedDotProductAttention", "disable_packed_attention", "enable_packed_attention", "local_spec",
            "pack_batch", "packed_attention"]

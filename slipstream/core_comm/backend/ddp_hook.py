@@ -17,9 +17,9 @@ so this module does not use postponed annotations.
 import torch
 import torch.distributed as dist
 
-from . import pool
-from .communicator import as_torch_future
-from .config import CommConfig
+from .. import pool
+from ..communicator import as_torch_future
+from ..config import CommConfig
 
 __all__ = ["DDPHookState", "ddp_hook"]
 

@@ -29,10 +29,10 @@ from typing import Mapping
 import torch
 import torch.distributed as dist
 
-from ._tuner_measure import _buffers, _call, _candidates, _Fixed, _has_transport
-from ._tuner_plan import FORMAT, KINDS, BucketSizes, Entry, TunedPlan, TuneKey, _label
-from .communicator import Choice, Communicator
-from .config import CommConfig
+from .measure import _buffers, _call, _candidates, _Fixed, _has_transport
+from .plan import FORMAT, KINDS, BucketSizes, Entry, TunedPlan, TuneKey, _label
+from ..communicator import Choice, Communicator
+from ..config import CommConfig
 
 __all__ = ["BucketSizes", "TuneKey", "TunedPlan", "Tuner", "TunerCacheWarning",
            "default_cache_dir", "load_plan", "model_plan", "tuned_communicator",

@@ -58,7 +58,7 @@ def status() -> dict:
 
     from . import __version__
     from .core_comm import counters, pool
-    from .plugins import _patch
+    from ._common import patch as _patch
     from .switch import _SWITCH
 
     groups = [_describe(group, comm) for group, comm in pool.items()]

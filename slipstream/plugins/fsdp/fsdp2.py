@@ -27,8 +27,8 @@ import torch.distributed as dist
 
 from ...core_comm import pool
 from ...core_comm.config import CommConfig
-from ...report import note_stack, warn_once
-from .._patch import patch, unpatch
+from ..._status import note_stack, warn_once
+from ..._common.patch import patch, unpatch
 
 __all__ = ["apply", "remove", "SlipstreamAllGather", "SlipstreamReduceScatter", "is_applied"]
 
@@ -48,7 +48,7 @@ def _api():
 
 def _work(work, outputs: list):
     """The core's async handle as a ``torch.distributed.Work``, as FSDP waits on."""
-    from ...core_comm.backend import _FutureWork
+    from ...core_comm.backend.process_group import _FutureWork
     from ...core_comm.communicator import as_torch_future
 
     return _FutureWork(as_torch_future(work, outputs))

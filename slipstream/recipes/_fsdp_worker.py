@@ -21,8 +21,16 @@ import torch.distributed as dist
 from ..core_comm import counters
 from ..core_compile import global_token_count, step_loss
 from ..plugins.fsdp.translate import grad_reduction
-from ._finetune_worker import _progress, _summary, compile_summary, load_samples, parse, step_micro_batches, step_record
-from .data import pad_batch
+from ._deepspeed_worker import (
+    _progress,
+    _summary,
+    compile_summary,
+    load_samples,
+    parse,
+    step_micro_batches,
+    step_record,
+)
+from .alpaca import pad_batch
 from .finetune import result_file
 from .model import build_model
 from .tokenizer import load_tokenizer

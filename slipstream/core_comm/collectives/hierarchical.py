@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from .shm import ShmComm, reduce_rows
-from .topology import Topology
+from ..topology import Topology
 
 __all__ = ["Hierarchical", "InterTransport", "GlooInter"]
 

@@ -52,7 +52,7 @@ def _signature(value) -> object:
 
 def cache_key(model: torch.nn.Module, args, kwargs, device: torch.device, extra: Mapping = ()) -> dict:
     """Everything the decision depends on, as a JSON-able dict (its hash names the file)."""
-    from .. import __version__
+    from ... import __version__
 
     structure = [f"{name}:{type(m).__name__}" for name, m in model.named_modules()]
     params = [f"{name}:{list(p.shape)}:{p.dtype}:{p.requires_grad}" for name, p in model.named_parameters()]

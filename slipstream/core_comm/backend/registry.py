@@ -18,7 +18,7 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from .config import CommConfig
+from ..config import CommConfig
 
 __all__ = ["BACKEND", "install_barrier_shim", "register", "restore", "snapshot"]
 
@@ -30,7 +30,7 @@ _MISSING = object()
 
 def _creator(config: CommConfig | None):
     def create_slipstream_group(dist_options, pg_options=None):
-        from .backend import create_process_group
+        from .process_group import create_process_group
 
         install_barrier_shim()  # torch refuses monitored_barrier on a backend not named gloo
         return create_process_group(dist_options, pg_options, config=config)
@@ -111,7 +111,7 @@ def _monitored_barrier(original):
     @functools.wraps(original)
     def monitored_barrier(group=None, timeout=None, wait_all_ranks=False):
         target = group if group is not None else (c10d._get_default_group() if dist.is_initialized() else None)
-        module = sys.modules.get(__package__ + ".backend")
+        module = sys.modules.get(__package__ + ".process_group")
         if module is None or not isinstance(target, module.SlipstreamProcessGroup):
             return original(group, timeout, wait_all_ranks)
         if timeout is None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from .communicator import Choice, Communicator
+from ..communicator import Choice, Communicator
 
 
 class _Fixed:
@@ -72,7 +72,7 @@ def _candidates(comm: Communicator, kind: str, inp: torch.Tensor,
 
 def _has_transport() -> bool:
     try:
-        from . import transport  # noqa: F401
+        from ..transport import tcp as transport  # noqa: F401
     except ImportError:
         return False
     return True

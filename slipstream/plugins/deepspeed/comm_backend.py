@@ -17,7 +17,7 @@ import logging
 import torch.distributed as dist
 
 from ...core_comm import CommConfig, Communicator, pool
-from .._patch import patch, unpatch
+from ..._common.patch import patch, unpatch
 
 log = logging.getLogger("slipstream.deepspeed")
 

@@ -41,8 +41,8 @@ from typing import Mapping
 import torch
 import torch.distributed as dist
 
-from ._tcp import _DTYPES, TransportError, _connect, _Lanes, _Step, _Work
-from ._tcp import _listen  # noqa: F401 - reached as transport._listen (tests)
+from ._lanes import _DTYPES, TransportError, _connect, _Lanes, _Step, _Work
+from ._lanes import _listen  # noqa: F401 - reached as transport._listen (tests)
 
 __all__ = ["MultiConnInter", "TransportError", "endpoint_from_env"]
 

@@ -53,12 +53,12 @@ from torch._C._distributed_c10d import (
     _create_work_from_future,
 )
 
-from ._backend_registry import BACKEND
-from . import counters, pool
-from .agree import CallCheck, checked, describe
-from .communicator import Communicator, as_torch_future
-from .config import CommConfig
-from .routing import refusal
+from .registry import BACKEND
+from .. import counters, pool
+from ..call_check import CallCheck, checked, describe
+from ..communicator import Communicator, as_torch_future
+from ..config import CommConfig
+from ..routing import refusal
 
 __all__ = ["BACKEND", "SlipstreamProcessGroup", "create_process_group"]
 

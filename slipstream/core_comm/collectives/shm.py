@@ -42,9 +42,27 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ._shm_segment import (
-    _ABORTED, _ADDR, _DTYPE, _DTYPE_CODE, _KIND, _KIND_CODE, _LINE, _LINE_WORDS, _NUMEL, _OP, _OP_CODE,
-    _PID, _SEQ, _STEP, SUPPORTED_DTYPES, SUPPORTED_OPS, ShmError, _describe, _map_segment, _process_gone,
+from .segment import (
+    _ABORTED,
+    _ADDR,
+    _DTYPE,
+    _DTYPE_CODE,
+    _KIND,
+    _KIND_CODE,
+    _LINE,
+    _LINE_WORDS,
+    _NUMEL,
+    _OP,
+    _OP_CODE,
+    _PID,
+    _SEQ,
+    _STEP,
+    SUPPORTED_DTYPES,
+    SUPPORTED_OPS,
+    ShmError,
+    _describe,
+    _map_segment,
+    _process_gone,
 )
 
 __all__ = ["ShmComm", "ShmError", "SUPPORTED_DTYPES", "SUPPORTED_OPS", "is_supported_platform", "reduce_rows"]

@@ -1,6 +1,6 @@
 """The tuner's plan: what a measured plan is valid for (``TuneKey``), its rows (``Entry``), the
 lookup the communicator asks on every call (``TunedPlan``) and the bucket sizes derived from it
-(``BucketSizes``). Public through ``slipstream.core_comm.tuner``.
+(``BucketSizes``). Public through ``slipstream.core_comm.tuner.tuner``.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from typing import Mapping
 
 import torch
 
-from .communicator import Choice, Communicator
-from .config import CommConfig
+from ..communicator import Choice, Communicator
+from ..config import CommConfig
 
 
 KINDS = ("all_reduce", "reduce_scatter", "all_gather")

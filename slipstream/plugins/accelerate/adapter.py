@@ -30,8 +30,8 @@ import logging
 import os
 
 from .._adapter import compile_model
-from .._patch import patch, unpatch
-from ...report import note_stack, warn_once
+from ..._common.patch import patch, unpatch
+from ..._status import note_stack, warn_once
 
 __all__ = ["install", "uninstall", "Accelerator"]
 
@@ -49,7 +49,7 @@ def install() -> None:
     @functools.wraps(original_prepare)
     def fsdp2_prepare_model(accelerator, model):
         from ...config import config_from_env
-        from .comms import apply
+        from ..fsdp.fsdp2 import apply
 
         settings = config_from_env()  # SLIPSTREAM_CONFIG: the one config, read where it applies
         if settings is not None and not settings.enabled:
@@ -112,7 +112,7 @@ def _hook_fsdp1(model) -> None:
 
     if not isinstance(model, FullyShardedDataParallel) or getattr(model, "_slipstream_fsdp1", False):
         return
-    from .fsdp1 import register
+    from ..fsdp.fsdp1 import register
 
     register(model)
     model._slipstream_fsdp1 = True

@@ -42,8 +42,8 @@ from pathlib import Path
 
 import torch
 
-from . import check, compile_cache, diagnose, strategy
-from .compile_config import Candidate, CompileConfig, CompileFallbackWarning, CompileReport
+from . import check, cache as compile_cache, diagnose, strategy
+from .config import Candidate, CompileConfig, CompileFallbackWarning, CompileReport
 
 __all__ = ["compile", "compile_report", "uncompile"]
 

@@ -26,7 +26,7 @@ import warnings
 
 import torch
 
-from .strategy import has_forward_hooks
+from ..autotune.strategy import has_forward_hooks
 
 __all__ = ["fuse_layers", "unfuse_layers", "is_fused", "compiler_problem"]
 

@@ -3,12 +3,12 @@
 After :func:`apply`, ``model(**batch)`` removes padding once (before the embedding, which is
 the same as after it: padding rows never reach a real token's output), runs every token-wise
 op on ``(1, total_tokens, hidden)``, gives rotary embeddings the per-sequence positions,
-routes attention through :func:`~slipstream.core_compile.attention.varlen_attention` (never
+routes attention through :func:`~slipstream.core_compile.varlen.attention.varlen_attention` (never
 across a sequence boundary) and computes the model's own loss on the packed labels, with
 ``-100`` at every sequence start. Loss and gradients equal the padded run's.
 
 Accepted batches: a padded ``(batch, seq)`` batch with ``attention_mask``; a flattened row
-from :class:`~slipstream.core_compile.collator.FlattenCollator` (``cu_seq_lens_q`` /
+from :class:`~slipstream.core_compile.varlen.collator.FlattenCollator` (``cu_seq_lens_q`` /
 ``max_length_q``, the keys transformers' flash-attention path uses); a flattened row with
 positions restarting at 0; or an explicit ``packed=PackedBatch``. Generation-style calls
 (a KV cache, ``use_cache=True``, ``logits_to_keep``, attention or hidden-state outputs) run

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from ..core_comm import counters
 from ..core_compile import balance, global_token_count, step_loss
 from ..plugins.deepspeed.translate import grad_reduction
-from .data import generate_alpaca, load_alpaca, pad_batch, tokenize_alpaca
+from .alpaca import generate_alpaca, load_alpaca, pad_batch, tokenize_alpaca
 from .model import build_model
 from .tokenizer import load_tokenizer
 

@@ -1,0 +1,4 @@
+"""``slipstream.compile``: the compile strategy chosen by measurement on the first real steps
+(``autotuner``), its settings and report (``config``), the candidates (``strategy``), the check
+against eager (``check``), graph breaks and recompiles (``diagnose``) and the decision cache
+(``cache``)."""
