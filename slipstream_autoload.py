@@ -21,13 +21,15 @@ import os
 import sys
 
 
+class AfterImport:
+    """A finder that runs ``then(name)`` right after module ``name`` (one of ``names``) has
+    executed, by wrapping its loader; it leaves ``sys.meta_path`` once every name has been
+    imported. It imports nothing itself. Slipstream's stack adapters use the same finder
+    (``slipstream.plugins.autoload``)."""
 
-class SlipstreamAutoload:
-    """Finder that wraps the loader of ``torch`` / ``deepspeed`` to act after it has run."""
-
-    def __init__(self, enable_all: bool) -> None:
-        self.enable_all = enable_all
-        self.pending = {"torch"} if enable_all else {"deepspeed"}
+    def __init__(self, names, then) -> None:
+        self.pending = set(names)
+        self.then = then
         self._searching = False
 
     def find_spec(self, fullname, path=None, target=None):
@@ -45,16 +47,42 @@ class SlipstreamAutoload:
         spec.loader = _Then(spec.loader, self, fullname)
         return spec
 
-    def act(self, name: str) -> None:
+    def done(self, name: str) -> None:
         self.pending.discard(name)
         if not self.pending and self in sys.meta_path:
             sys.meta_path.remove(self)
+        self.then(name)
+
+
+class _Then:
+    def __init__(self, loader, finder: AfterImport, name: str) -> None:
+        self._loader, self._finder, self._name = loader, finder, name
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        self._loader.exec_module(module)
+        self._finder.done(self._name)
+
+    def __getattr__(self, name):  # the wrapped loader's other methods (get_code, is_package...)
+        return getattr(self._loader, name)
+
+
+class SlipstreamAutoload(AfterImport):
+    """The start-up hook's finder: acts once ``torch`` (``SLIPSTREAM=1``) or ``deepspeed``
+    (otherwise) has been imported."""
+
+    def __init__(self, enable_all: bool) -> None:
+        super().__init__({"torch"} if enable_all else {"deepspeed"}, self.act)
+        self.enable_all = enable_all
+
+    def act(self, name: str) -> None:
         try:
             if name == "torch":
                 import slipstream
 
-                slipstream.enable()
-                slipstream.switch.note_source("SLIPSTREAM=1" if os.environ.get("SLIPSTREAM") else "SLIPSTREAM_CONFIG")
+                slipstream.enable(source="SLIPSTREAM=1" if _flag("SLIPSTREAM") else "SLIPSTREAM_CONFIG")
             else:
                 import importlib
 
@@ -64,33 +92,27 @@ class SlipstreamAutoload:
                   "(SLIPSTREAM_AUTOLOAD=0 turns the hook off)", file=sys.stderr)
 
 
-class _Then:
-    def __init__(self, loader, finder: SlipstreamAutoload, name: str) -> None:
-        self._loader, self._finder, self._name = loader, finder, name
-
-    def create_module(self, spec):
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module) -> None:
-        self._loader.exec_module(module)
-        self._finder.act(self._name)
-
-    def __getattr__(self, name):  # the wrapped loader's other methods (get_code, is_package...)
-        return getattr(self._loader, name)
+def _flag(name: str, default: bool = False) -> bool:
+    """A boolean variable (1/true/yes/on), parsed here without importing slipstream (which
+    imports torch): the hook runs in every interpreter of the environment."""
+    raw = os.environ.get(name, "").strip().lower()
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    if raw in ("0", "false", "no", "off"):
+        return False
+    return default
 
 
 def install() -> None:
     """What the ``.pth`` line runs. Idempotent."""
-    if os.environ.get("SLIPSTREAM_AUTOLOAD", "1").strip().lower() in ("0", "false", "no", "off"):
+    if not _flag("SLIPSTREAM_AUTOLOAD", True):
         return
     if any(type(f).__name__ == "SlipstreamAutoload" for f in sys.meta_path):
         return
-    enable_all = (os.environ.get("SLIPSTREAM", "").strip().lower() in ("1", "true", "yes", "on")
-                  or bool(os.environ.get("SLIPSTREAM_CONFIG")))
-    finder = SlipstreamAutoload(enable_all)
+    finder = SlipstreamAutoload(_flag("SLIPSTREAM") or bool(os.environ.get("SLIPSTREAM_CONFIG")))
     for name in tuple(finder.pending):
         if name in sys.modules:  # already imported (the hook run late, by hand)
-            finder.act(name)
+            finder.done(name)
     if finder.pending:
         sys.meta_path.insert(0, finder)
 

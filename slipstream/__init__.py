@@ -11,14 +11,13 @@ makes it the default for CPU, ``slipstream.disable()`` undoes that exactly, and
 slipstream imports torch.distributed, never an optional framework.
 """
 
-from .core_comm.backend.registry import register as _register
+from ._common.version import __version__
+from ._status import status
 from .core_comm.backend.ddp_hook import DDPHookState, ddp_hook
+from .core_comm.backend.registry import register as _register
 from .core_compile.autotune.autotuner import compile, compile_report, uncompile
 from .core_compile.autotune.config import CompileConfig
-from ._status import status
 from .switch import disable, enable, is_enabled
-
-__version__ = "0.1.0"
 __all__ = [
     "CompileConfig", "DDPHookState", "__version__", "compile", "compile_report", "ddp_hook", "disable", "enable",
     "is_enabled", "status", "uncompile",

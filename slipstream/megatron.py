@@ -2,29 +2,37 @@
 the core, the compile hook, and packed (THD) sequences for the local attention (see
 ``slipstream.plugins.megatron``)."""
 
-from .plugins.megatron import (
-    add_arguments,
-    chain,
-    disable_compile,
-    disable_packed_attention,
-    enable_compile,
-    enable_packed_attention,
-    initialize,
-    local_spec,
-    pack_batch,
-    packed_attention,
-    process_groups,
-    restore_process_groups,
-)
+from __future__ import annotations
+
+import argparse
+
+from .plugins.megatron import (add_arguments, chain, disable_compile, disable_packed_attention, enable_compile,
+                               enable_packed_attention, local_spec, pack_batch, packed_attention, process_groups,
+                               restore_process_groups)
+from .plugins.megatron import adapter as _adapter
+from .switch import enable
 
 __all__ = ["PackedDotProductAttention", "add_arguments", "chain", "disable_compile", "disable_packed_attention",
-           "enable_compile", "enable_packed_attention", "initialize", "local_spec", "pack_batch", "packed_attention", "process_groups",
-           "restore_process_groups"]
+           "enable_compile", "enable_packed_attention", "initialize", "local_spec", "pack_batch", "packed_attention",
+           "process_groups", "restore_process_groups"]
+
+
+def initialize(args: argparse.Namespace) -> bool:
+    """Act on the parsed flags of ``add_arguments`` before Megatron initialises
+    torch.distributed. Returns whether slipstream's collectives are on: with ``--slipstream``,
+    slipstream is enabled (with ``--slipstream-config``'s ``"comm"`` settings) and the backend
+    Megatron-LM names becomes ``slipstream`` for CPU tensors (CUDA keeps NCCL)."""
+    on, settings = _adapter.read_arguments(args)
+    if not on:
+        return False
+    enable(settings.comm if settings is not None else None, source="--slipstream")
+    _adapter.name_backend(args)
+    return True
 
 
 def __getattr__(name: str):
     if name == "PackedDotProductAttention":  # a subclass of megatron's: built on first use
-        from .plugins.megatron.packed import _packed_class
+        from .plugins import megatron
 
-        return _packed_class()
+        return megatron.PackedDotProductAttention
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

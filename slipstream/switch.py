@@ -1,8 +1,8 @@
 """``slipstream.enable()`` / ``slipstream.disable()``: the one-line switch.
 
-``enable`` registers the ``slipstream`` backend (bound to ``config``, else each group reads
-``SLIPSTREAM_*`` when it is created) and makes it torch's default backend for CPU: torch's
-``default_device_backend_map["cpu"]`` becomes ``"slipstream"``. That table is what
+``enable`` registers the ``slipstream`` backend (bound to ``config``, else each group reads its
+settings when it is created: ``CommConfig.from_env()``) and makes it torch's default backend for
+CPU: torch's ``default_device_backend_map["cpu"]`` becomes ``"slipstream"``. That table is what
 ``init_process_group()`` consults when no backend is named (since torch 2.6, also through
 ``device_id``) and what ``get_default_backend_for_device("cpu")`` answers, so a stack that
 asks torch for the default gets slipstream, and one that names a backend keeps it.
@@ -11,8 +11,10 @@ CUDA keeps NCCL: ``default_device_backend_map["cuda"]`` is left alone, because N
 NVLink / InfiniBand beats any path through host memory, and the communicator itself sends
 CUDA tensors of a group with NCCL to NCCL.
 
-``disable`` puts torch's backend tables, and the functions ``enable`` wrapped, back exactly as
-they were before the first ``enable``. Groups already created keep working.
+``disable`` undoes everything slipstream changed in this process: every stack adapter is
+uninstalled, and every entry of the patch registry (``_common.patch``: torch's backend tables,
+the wrapped functions, models' forwards) is put back exactly. Groups already created keep
+working.
 """
 
 from __future__ import annotations
@@ -22,41 +24,27 @@ import sys
 
 import torch.distributed as dist
 
+from ._common import record
+from ._common.patch import patch, uninstall_all
 from .core_comm.backend import registry
 from .core_comm.config import CommConfig
 from .plugins import autoload
-from ._common.patch import patch, unpatch
-from ._status import warn_once
 
-__all__ = ["disable", "enable", "is_enabled", "note_source"]
+__all__ = ["disable", "enable", "is_enabled"]
 
 _DEVICE = "cpu"
 
 
-class _Switch:
-    """What ``enable`` changed: the state of torch's tables before it (None: not enabled)."""
-
-    __slots__ = ("before", "source")
-
-    def __init__(self) -> None:
-        self.before: dict | None = None
-        self.source = ""
-        """Who turned it on: ``enable()``, ``SLIPSTREAM=1`` (the start-up hook)."""
-
-
-_SWITCH = _Switch()
-
-
-def enable(config: CommConfig | None = None) -> None:
+def enable(config: CommConfig | None = None, *, source: str = "enable()") -> None:
     """Make ``slipstream`` the backend of a later ``init_process_group()`` without a backend
     (CPU). Idempotent; calling it again with another ``config`` rebinds the config for groups
     created from then on. ``config=None``: ``CommConfig.from_env()`` at each group's creation.
-    """
+    ``source`` says who turned it on (``status()["enabled_by"]``)."""
     if config is not None and not isinstance(config, CommConfig):
         raise TypeError(f"config must be a CommConfig, got {type(config).__name__}")
-    if _SWITCH.before is None:
-        _SWITCH.before = registry.snapshot()
-        _SWITCH.source = "enable()"
+    registry.record_tables(owner="switch")  # the first enable's tables are what disable restores
+    if not record.switch.on:
+        record.switch.source = source
     registry.register(config)
     registry.install_barrier_shim()
     dist.Backend.default_device_backend_map[_DEVICE] = registry.BACKEND
@@ -67,14 +55,14 @@ def enable(config: CommConfig | None = None) -> None:
 
 
 def disable() -> None:
-    """Undo ``enable`` exactly; a no-op when not enabled."""
-    if _SWITCH.before is None:
-        return
-    registry.restore(_SWITCH.before)
-    unpatch(dist, "init_process_group")
+    """Undo ``enable`` and everything slipstream changed since, exactly; a no-op when off."""
     autoload.remove_hooks()
-    _SWITCH.before = None
-    _SWITCH.source = ""
+    uninstall_all()
+    record.switch.source = ""
+
+
+def is_enabled() -> bool:
+    return record.switch.on
 
 
 def _watch_init() -> None:
@@ -87,19 +75,9 @@ def _watch_init() -> None:
         backend = dist.get_backend_config()  # "cpu:gloo"; get_backend() says "undefined" for ours
         adapters = ("deepspeed", "accelerate")  # they route the groups they use themselves
         if registry.BACKEND not in backend and not any(m in sys.modules for m in adapters):
-            warn_once(f"slipstream is on, but init_process_group was given backend {backend!r}: the "
-                      "default group's collectives stay stock. Leave the backend out (or name "
-                      f"{registry.BACKEND!r}) to route them through slipstream.")
+            record.warn_once(f"slipstream is on, but init_process_group was given backend {backend!r}: the "
+                             "default group's collectives stay stock. Leave the backend out (or name "
+                             f"{registry.BACKEND!r}) to route them through slipstream.")
         return result
 
     patch(dist, "init_process_group", init_process_group, owner="switch")
-
-
-def note_source(source: str) -> None:
-    """Record who turned slipstream on (the start-up hook says ``SLIPSTREAM=1``)."""
-    if _SWITCH.before is not None:
-        _SWITCH.source = source
-
-
-def is_enabled() -> bool:
-    return _SWITCH.before is not None

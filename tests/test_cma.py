@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from _dist import run_ranks
 from slipstream.core_comm.collectives import cma
+from slipstream.core_comm.routing import CMA_FROM_BYTES
 from slipstream.core_comm._compat import all_gather_into_tensor, reduce_scatter_tensor
 from slipstream.core_comm.collectives.cma import CmaComm
 from slipstream.core_comm.collectives.shm import ShmComm, ShmError
@@ -146,7 +147,7 @@ def _communicator(rank, world, enabled, refuse_on):
         original = getattr(CmaComm, kind)
         setattr(CmaComm, kind, lambda self, *a, _f=original, _k=kind: (took.append(_k), _f(self, *a))[1])
     comm = Communicator(config=CommConfig(cma=enabled, timeout_s=60))
-    for n in [1000, cma.MIN_BYTES["all_gather"] // (4 * world) + 7]:  # below and above every threshold
+    for n in [1000, CMA_FROM_BYTES["all_gather"] // (4 * world) + 7]:  # below and above every threshold
         x = _data(rank, n, n, torch.float32, R.SUM)
         ref = _gloo(x, R.SUM, world)
         comm.all_reduce(x)

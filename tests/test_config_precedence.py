@@ -3,8 +3,7 @@
 
 import pytest
 
-from slipstream.config import SlipstreamConfig, resolve_comm
-from slipstream.core_comm.config import CommConfig
+from slipstream.config import CommConfig, SlipstreamConfig
 
 ENV = {"SLIPSTREAM_CHUNK_BYTES": "1048576", "SLIPSTREAM_SHM": "0"}
 
@@ -19,7 +18,7 @@ ENV = {"SLIPSTREAM_CHUNK_BYTES": "1048576", "SLIPSTREAM_SHM": "0"}
     ],
 )
 def test_precedence_code_section_environment_defaults(code, section, environ, chunk, shm):
-    cfg = resolve_comm(code=code, section=section, environ=environ)
+    cfg = CommConfig.resolve(code=code, section=section, environ=environ)
     assert (cfg.chunk_bytes, cfg.shm) == (chunk, shm)
 
 
@@ -73,13 +72,11 @@ def test_a_bad_section_key_is_refused_even_when_code_gives_the_config():
     ("s.yaml", "enabled: true\nvarlen: {enabled: true}\ncomm:\n  chunk_bytes: 65536\n"),
 ])
 def test_slipstream_config_names_a_json_or_yaml_file_of_the_same_section(tmp_path, name, text):
-    from slipstream.config import config_from_env
-
     path = tmp_path / name
     path.write_text(text)
-    settings = config_from_env({"SLIPSTREAM_CONFIG": str(path)})
+    settings = SlipstreamConfig.from_env({"SLIPSTREAM_CONFIG": str(path)})
     assert settings.enabled and settings.varlen is not None and settings.comm.chunk_bytes == 65536
-    assert config_from_env({}) is None
+    assert SlipstreamConfig.from_env({}) is None
 
 
 @pytest.mark.faults
@@ -89,11 +86,9 @@ def test_slipstream_config_names_a_json_or_yaml_file_of_the_same_section(tmp_pat
     ('{"comm": {"chunk_bytes": 100}}', r"s.json: slipstream.comm.chunk_bytes"),
 ])
 def test_a_bad_slipstream_config_file_is_refused_naming_the_file_and_key(tmp_path, text, message):
-    from slipstream.config import config_from_env
-
     path = tmp_path / "s.json"
     path.write_text(text)
     with pytest.raises(ValueError, match=message):
-        config_from_env({"SLIPSTREAM_CONFIG": str(path)})
+        SlipstreamConfig.from_env({"SLIPSTREAM_CONFIG": str(path)})
     with pytest.raises(ValueError, match="cannot read it"):
-        config_from_env({"SLIPSTREAM_CONFIG": str(tmp_path / "missing.json")})
+        SlipstreamConfig.from_env({"SLIPSTREAM_CONFIG": str(tmp_path / "missing.json")})

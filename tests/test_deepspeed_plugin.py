@@ -278,7 +278,7 @@ def test_tuned_buckets_only_where_deepspeed_overlaps_comm(monkeypatch, device, z
 
     import deepspeed.accelerator
 
-    from slipstream.core_comm.tuner.tuner import BucketSizes
+    from slipstream.core_comm.tuner import BucketSizes
     from slipstream.plugins.deepspeed import engine
     from slipstream.plugins.deepspeed.translate import zero_buckets
 

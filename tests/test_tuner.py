@@ -14,7 +14,7 @@ from _dist import run_ranks
 from slipstream.core_comm import Choice, CommConfig, Communicator
 from slipstream.plugins.deepspeed.translate import zero_buckets
 from slipstream.plugins.fsdp.translate import wrap_policy_kwargs
-from slipstream.core_comm.tuner.tuner import (
+from slipstream.core_comm.tuner import (
     SIZE_CLASSES,
     BucketSizes,
     Entry,
@@ -22,12 +22,11 @@ from slipstream.core_comm.tuner.tuner import (
     TunedPlan,
     Tuner,
     TunerCacheWarning,
-    _read_cache,
-    _write_cache,
     load_plan,
     model_plan,
     tuned_communicator,
 )
+from slipstream.core_comm.tuner.tuner import _read_cache, _write_cache
 
 KEY = TuneKey(world_size=4, node_sizes=(2, 2), paths="hierarchical", torch="2.13.0", slipstream="0.1.0")
 SHM_KEY = replace(KEY, node_sizes=(4,), paths="shm")

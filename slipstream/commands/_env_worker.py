@@ -18,7 +18,9 @@ from slipstream.core_comm import Communicator, pool
 from slipstream.core_comm.topology import host_identity, node_key_from_env
 from slipstream.plugins.deepspeed.translate import zero_buckets
 from slipstream.plugins.fsdp.translate import wrap_policy_kwargs
-from slipstream.core_comm.tuner.tuner import KINDS, TuneKey, _buffers, default_cache_dir, load_plan
+from slipstream.core_comm.ops import KINDS
+from slipstream.core_comm.tuner import TuneKey, default_cache_dir, load_plan
+from slipstream.core_comm.tuner.measure import _buffers
 
 _PROBE_SIZES = (4 << 10, 1 << 20, 64 << 20)  # full buffers, as `slipstream bench comm`
 

@@ -17,7 +17,9 @@ import torch
 import torch.distributed as dist
 
 from slipstream.core_comm import Communicator
-from slipstream.core_comm.tuner.tuner import KINDS, Tuner, _buffers, _call
+from slipstream.core_comm.ops import KINDS
+from slipstream.core_comm.tuner import Tuner
+from slipstream.core_comm.tuner.measure import _buffers, _call
 
 
 def _once(comm: Communicator, plan, kind: str, out: torch.Tensor, inp: torch.Tensor) -> float:

@@ -56,7 +56,7 @@ def _ms(t: float | None) -> str:
 
 
 def _choices_table(result: dict) -> str:
-    from slipstream.core_comm.tuner.tuner import TunedPlan
+    from slipstream.core_comm.tuner import TunedPlan
 
     plan = TunedPlan.from_json(result["plan"])
     world = result["world_size"]

@@ -1,15 +1,19 @@
 """Fast collectives shared by every adapter: shared-memory CPU-Reduce inside a node and
-hierarchical collectives across nodes, behind one communicator per process group (``pool``),
-with per-path call counts (``counters``).
+hierarchical collectives across nodes (``collectives/``, with the inter-node ``transport/``),
+behind one communicator per process group (``pool``, ``communicator``) that routes every call
+by one rule (``routing``), measured choices per size (``tuner/``), the ``slipstream``
+torch.distributed backend (``backend/``), and per-path call counts (``counters``).
 
 Never imports an optional framework.
 """
 
 from . import counters, pool
-from .communicator import Choice, Communicator, Plan, Work
-from .config import CommConfig
 from .collectives.shm import ShmComm, ShmError
+from .communicator import Communicator
+from .config import CommConfig
+from .routing import Choice, Plan
 from .topology import Topology, detect_topology
+from .work import Work
 
 __all__ = ["Choice", "CommConfig", "Communicator", "Plan", "ShmComm", "ShmError", "Topology", "Work", "counters",
            "detect_topology", "pool"]

@@ -17,12 +17,9 @@ import contextlib
 import contextvars
 from datetime import timedelta
 
-import torch
 import torch.distributed as dist
 
-from .routing import split_op
-
-__all__ = ["CallCheck", "CollectiveMismatch", "describe", "checked"]
+__all__ = ["CallCheck", "CollectiveMismatch", "checked"]
 
 # Set while the backend, having checked a call, hands it to the communicator.
 _CHECKED: contextvars.ContextVar[bool] = contextvars.ContextVar("slipstream_call_checked", default=False)
@@ -30,17 +27,6 @@ _CHECKED: contextvars.ContextVar[bool] = contextvars.ContextVar("slipstream_call
 
 class CollectiveMismatch(ValueError):
     """The ranks of a group called different collectives."""
-
-
-def describe(kind: str, tensor: torch.Tensor | None, op=None) -> str:
-    """What a call is, in the words of the error: ``all_reduce of 1000 float32 on cpu, SUM``."""
-    if tensor is None:
-        return kind
-    what = f"{kind} of {tensor.numel()} {str(tensor.dtype).removeprefix('torch.')} on {tensor.device.type}"
-    if op is None:
-        return what
-    base, factor = split_op(op)
-    return f"{what}, " + (base.name if factor is None else f"PREMUL_SUM({float(factor):g})")
 
 
 @contextlib.contextmanager

@@ -1,23 +1,12 @@
 """The communicator every adapter calls: one per process group.
 
-It picks an algorithm per call from the size, dtype, device and op of the tensors and the
-topology of the group:
-
-    local         the group has one rank
-    shm           one node: shared-memory CPU-Reduce, or from ``cma.MIN_BYTES`` on the ranks'
-                  own tensors through cross-memory attach where the kernel allows it
-    hierarchical  several nodes of equal size: shared memory inside, stock backend across
-    staged        CUDA tensors on a group without NCCL: pinned host memory, then the above
-    stock         everything else: the group's own collective, with a debug log line saying why
-
-The choice depends only on what every rank sees alike, so all ranks choose the same.
-
-The routing rule lives here, and the backend asks it (``refusal``) before it builds a
-communicator: ops SUM, AVG (floating dtypes), PREMUL_SUM (scale, then SUM), PRODUCT, MAX and
-MIN with gloo's semantics, on CPU (or staged CUDA) tensors of the shared-memory dtypes,
-strided, all on one device. The coalesced forms (``all_reduce_coalesced``, coalesced
-reduce-scatter and all-gather) run as one operation over one flat buffer. Every call is
-counted under the path it took (``counters``).
+It routes each call by the core's one rule (``routing``: ``local``, ``shm``/``cma``,
+``hierarchical``, ``staged`` or ``stock``, from the size, dtype, device and op of the tensors,
+the topology of the group and its plan) and runs it: synchronously, or on its worker thread
+with a ``Work`` handle (``async_op``). Ops: SUM, AVG (floating dtypes), PREMUL_SUM (scale,
+then SUM), PRODUCT, MAX and MIN with gloo's semantics. The coalesced forms
+(``all_reduce_coalesced``, coalesced reduce-scatter and all-gather) run as one operation over
+one flat buffer. Every call is counted under the path it took (``counters``).
 """
 
 from __future__ import annotations
@@ -26,65 +15,28 @@ import logging
 from datetime import timedelta
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
-from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
 from . import counters
-from .call_check import CallCheck, describe
 from ._compat import all_gather_into_tensor, reduce_scatter_tensor
-from .collectives.cma import MIN_BYTES as CMA_MIN_BYTES, CmaComm
-from .config import CommConfig
-from .groups import group_ranks, node_subgroups
+from .call_check import CallCheck
+from .collectives.cma import CmaComm
 from .collectives.hierarchical import Hierarchical
-from .routing import check_coalesced, chain, refusal, split_op, unflatten
 from .collectives.shm import ShmComm, ShmError, _check_sizes, is_supported_platform
 from .collectives.staging import CudaStaging
+from .config import CommConfig
+from .groups import group_ranks, node_subgroups
+from .ops import describe, split_op
+from .routing import Choice, Plan, route, use_cma
 from .topology import Topology, detect_topology
+from .work import Work
 
-__all__ = ["Choice", "Communicator", "Plan", "Work", "as_torch_future"]
+__all__ = ["Communicator"]
 
 log = logging.getLogger("slipstream.comm")
 ReduceOp = dist.ReduceOp
-
-
-@dataclass(frozen=True)
-class Choice:
-    """What a plan picks for one (collective, size, dtype)."""
-
-    algorithm: str
-    """'stock', 'shm' or 'hierarchical'; one the topology does not allow is ignored."""
-    chunk_bytes: int | None = None
-    """Chunk of the hierarchical pipeline for this call; None keeps the config's."""
-
-
-class Plan(Protocol):
-    """Per-call choices, e.g. measured by the tuner. None means: the built-in rules."""
-
-    def choose(self, kind: str, nbytes: int, dtype: torch.dtype) -> Choice | None: ...
-
-
-class Work:
-    """Handle of an asynchronous collective, like torch.distributed's ``Work``."""
-
-    __slots__ = ("_future",)
-
-    def __init__(self, future: Future) -> None:
-        self._future = future
-
-    def wait(self, timeout=None) -> bool:
-        """Block until done; ``timeout`` (seconds or a timedelta) raises TimeoutError."""
-        seconds = timeout.total_seconds() if hasattr(timeout, "total_seconds") else timeout
-        self._future.result(timeout=seconds)
-        return True
-
-    def is_completed(self) -> bool:
-        return self._future.done()
-
-    def get_future(self) -> Future:
-        return self._future
 
 
 class Communicator:
@@ -182,31 +134,10 @@ class Communicator:
         return algo, why
 
     def _route(self, kind: str, tensor: torch.Tensor, op) -> tuple[str, str, Choice | None]:
-        """``(algorithm, reason, the plan's choice)``. A plan's answer overrides the
-        config's ``min_hierarchical_bytes`` (the tuner measured or modelled that size)."""
-        choice = None
-        if self.world == 1:
-            return "local", "the group has one rank", choice
-        if tensor.device.type == "cuda":
-            if not self.config.cuda_staging:
-                return "stock", "CUDA staging is disabled", choice
-            if "nccl" in str(dist.get_backend(self.group)):
-                return "stock", "CUDA tensor on a group with NCCL", choice
-        reason = refusal(tensor, op)
-        if reason:
-            return "stock", reason, choice
-        nbytes = tensor.numel() * tensor.element_size()
-        choice = self.plan.choose(kind, nbytes, tensor.dtype) if self.plan is not None else None
-        if choice is not None and choice.algorithm == "stock":
-            return "stock", f"the plan ({getattr(self.plan, 'source', 'given')}) chose the stock collective", choice
-        staged = tensor.device.type == "cuda"
-        if self.hier is not None:
-            if choice is None and nbytes < self.config.min_hierarchical_bytes:
-                return "stock", f"{nbytes} bytes is below min_hierarchical_bytes", choice
-            return ("staged" if staged else "hierarchical"), "", choice
-        if self.shm is not None:
-            return ("staged" if staged else "shm"), "", choice
-        return "stock", self.unavailable or "no fast path for this topology", choice
+        """``(algorithm, reason, the plan's choice)`` by the core's rule (``routing.route``)."""
+        nccl = tensor.device.type == "cuda" and "nccl" in str(dist.get_backend(self.group))
+        return route(kind, tensor, op, world=self.world, config=self.config, nccl=nccl, plan=self.plan,
+                     hierarchical=self.hier is not None, intra=self.shm is not None, unavailable=self.unavailable)
 
     def _choose(self, kind: str, tensor: torch.Tensor, op, others=(), nbytes: int | None = None):
         """``(algorithm, plan choice, path label)`` for this call, counted under the label."""
@@ -240,7 +171,9 @@ class Communicator:
         algo, choice, label = self._choose("all_reduce", tensor, op)
         with counters.record(counted, label, tensor.numel() * tensor.element_size()):
             if algo == "stock":
-                return dist.all_reduce(tensor, op=op, group=self.group, async_op=async_op)
+                dense = _dense(tensor)
+                work = dist.all_reduce(dense, op=op, group=self.group, async_op=async_op)
+                return _stock(work, dense, tensor)
             chunk = choice.chunk_bytes if choice is not None else None
             return self._run(lambda: self._all_reduce(algo, tensor, op, chunk), async_op)
 
@@ -259,10 +192,13 @@ class Communicator:
         nbytes = big.numel() * big.element_size()
         algo, _, label = self._choose(kind, input, ReduceOp.SUM if op is None else op, (output,), nbytes)
         with counters.record(counted, label, nbytes):
-            if algo == "stock" and kind == "all_gather":
-                return all_gather_into_tensor(output, input, group=self.group, async_op=async_op)
             if algo == "stock":
-                return reduce_scatter_tensor(output, input, op=op, group=self.group, async_op=async_op)
+                dense = _dense(output)
+                if kind == "all_gather":
+                    work = all_gather_into_tensor(dense, _dense(input), group=self.group, async_op=async_op)
+                else:
+                    work = reduce_scatter_tensor(dense, _dense(input), op=op, group=self.group, async_op=async_op)
+                return _stock(work, dense, output)
             return self._run(lambda: self._resize(kind, algo, output, input, op), async_op)
 
     # The coalesced forms: one operation over one flat buffer, so a bucket of many small
@@ -270,25 +206,25 @@ class Communicator:
 
     def all_reduce_coalesced(self, tensors: list, op=ReduceOp.SUM, async_op: bool = False):
         """``all_reduce`` of each tensor (same dtype and device), as one call."""
-        check_coalesced("all_reduce_coalesced", tensors)
+        _check_coalesced("all_reduce_coalesced", tensors)
         flat = torch.cat([t.reshape(-1) for t in tensors])
         work = self._all_reduce_as("all_reduce_coalesced", flat, op, async_op)
-        return self._then(work, lambda: unflatten(flat, tensors))
+        return self._then(work, lambda: _unflatten(flat, tensors))
 
     def reduce_scatter_coalesced(self, outputs: list, inputs: list, op=ReduceOp.SUM, async_op: bool = False):
         """``reduce_scatter`` of each pair, as one call: the inputs' rank-r blocks are laid
         side by side, so rank r receives its blocks of every input in one shard."""
-        check_coalesced("reduce_scatter_coalesced", inputs, outputs)
+        _check_coalesced("reduce_scatter_coalesced", inputs, outputs)
         for o, i in zip(outputs, inputs):
             _check_sizes("reduce_scatter", o, i, self.world)
         flat_in = torch.cat([i.reshape(self.world, -1) for i in inputs], dim=1).reshape(-1)
         flat_out = flat_in.new_empty(flat_in.numel() // self.world)
         work = self._resize_as("reduce_scatter_coalesced", "reduce_scatter", flat_out, flat_in, op, async_op)
-        return self._then(work, lambda: unflatten(flat_out, outputs))
+        return self._then(work, lambda: _unflatten(flat_out, outputs))
 
     def all_gather_coalesced(self, outputs: list, inputs: list, async_op: bool = False):
         """``all_gather`` of each pair, as one call."""
-        check_coalesced("all_gather_coalesced", inputs, outputs)
+        _check_coalesced("all_gather_coalesced", inputs, outputs)
         for o, i in zip(outputs, inputs):
             _check_sizes("all_gather", o, i, self.world)
         flat_in = torch.cat([i.reshape(-1) for i in inputs])
@@ -310,7 +246,7 @@ class Communicator:
         if work is None:
             finish()
             return None
-        return Work(chain(work, finish))
+        return Work.after(work, finish)
 
     # ---------------------------------------------------------------- execution
 
@@ -346,7 +282,7 @@ class Communicator:
     def _intra(self, kind: str, nbytes: int):
         """The one-node implementation of ``kind`` for a buffer of ``nbytes`` (the larger of
         output and input): the same on every rank."""
-        return self.cma if self.cma is not None and nbytes >= CMA_MIN_BYTES[kind] else self.shm
+        return self.cma if self.cma is not None and use_cma(kind, nbytes) else self.shm
 
     def _cpu_all_reduce(self, flat: torch.Tensor, op, chunk_bytes: int | None) -> None:
         nbytes = flat.numel() * flat.element_size()
@@ -427,29 +363,38 @@ def _with_first_failure(error: Exception) -> Exception:
         return RuntimeError(f"{error} (the first failure in the job, on {first})")
 
 
-def as_torch_future(work, value) -> torch.futures.Future:
-    """A ``torch.futures.Future`` that completes with ``value`` (or the call's error) when
-    ``work`` does: an async call's handle, the core's ``Work`` or the stock collective's."""
-    if isinstance(work, dist.Work):
-        return work.get_future().then(lambda _: value)
-    result: torch.futures.Future = torch.futures.Future()
-
-    def done(cf) -> None:
-        error = cf.exception()
-        if error is not None:
-            result.set_exception(error)
-        else:
-            result.set_result(value)
-
-    work.get_future().add_done_callback(done)
-    # torch's set_exception completes the future *successfully* with the exception object as
-    # its value (only Python's value() re-raises it; C++ readers such as DDP's reducer take it
-    # for a tensor). Re-raising inside a callback marks the chained future failed for all.
-    return result.then(_value_or_raise)
+def _dense(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``, or a contiguous copy: gloo reduces a strided tensor's storage as if it were
+    contiguous, a wrong answer."""
+    return tensor if tensor.is_contiguous() else tensor.contiguous()
 
 
-def _value_or_raise(fut: torch.futures.Future):
-    return fut.value()
+def _stock(work: dist.Work | None, dense: torch.Tensor, output: torch.Tensor) -> Work | None:
+    """A stock collective's handle as the core's ``Work`` (None for a synchronous call), its
+    ``dense`` result copied into ``output`` when they differ."""
+    back = None if dense is output else (lambda: output.copy_(dense))
+    if work is None:
+        if back is not None:
+            back()
+        return None
+    return Work.after(work, back)
+
+
+def _check_coalesced(kind: str, tensors: list, others: list | None = None) -> None:
+    if not tensors or (others is not None and len(others) != len(tensors)):
+        raise ValueError(f"{kind}: needs one or more tensors (and as many outputs as inputs)")
+    first = tensors[0]
+    for t in (*tensors, *(others or ())):
+        if t.dtype != first.dtype or t.device != first.device:
+            raise ValueError(f"{kind}: tensors of different dtypes or devices: {first.dtype} on "
+                             f"{first.device} and {t.dtype} on {t.device}")
+
+
+def _unflatten(flat: torch.Tensor, tensors: list) -> None:
+    at = 0
+    for t in tensors:
+        t.copy_(flat[at:at + t.numel()].view_as(t))
+        at += t.numel()
 
 
 def _invoke(impl, kind: str, output, input, op) -> None:

@@ -1,19 +1,20 @@
-"""Settings of the collectives core. Read from the environment only in ``from_env``."""
+"""Settings of the collectives core, read through the one settings reader
+(``_common.settings``). The environment is read only in ``from_env`` (and ``resolve``)."""
 
 from __future__ import annotations
 
 import math
 import os
 from dataclasses import dataclass, fields
-from typing import Mapping
+from typing import Any, Mapping
 
-__all__ = ["CommConfig", "check_field"]
+from .._common.settings import Settings, config_file, require_mapping
 
-_ENV_PREFIX = "SLIPSTREAM_"
+__all__ = ["CommConfig"]
 
 
 @dataclass(kw_only=True, frozen=True)
-class CommConfig:
+class CommConfig(Settings):
     """How the communicator chooses and runs its algorithms."""
 
     shm: bool = True
@@ -38,8 +39,8 @@ class CommConfig:
     """First listening port of the multi-connection transport (each rank takes a free block
     of ``connections`` ports from here); 0 lets the kernel pick."""
     min_hierarchical_bytes: int = 0
-    """Smaller messages across nodes use the stock collective (when no plan decides: a
-    tuner's plan, measured or modelled, overrides this for the sizes it covers)."""
+    """Smaller messages across nodes use the stock collective. It raises the cost model's own
+    thresholds (``routing.STOCK_BELOW_BYTES``); a measured plan decides the sizes it covers."""
     cuda_staging: bool = True
     """Stage CUDA tensors through pinned host memory where the group has no NCCL."""
     timeout_s: float = 300.0
@@ -50,54 +51,62 @@ class CommConfig:
 
     def __post_init__(self) -> None:
         for f in fields(self):
-            check_field(f.name, getattr(self, f.name))
+            self.check_field(f.name, getattr(self, f.name))
         if self.small_bytes > self.slot_bytes:
             raise ValueError(
                 f"small_bytes must be between 0 and slot_bytes ({self.slot_bytes}), got {self.small_bytes}"
             )
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] = os.environ, **overrides) -> "CommConfig":
-        """``SLIPSTREAM_<FIELD>`` (upper case) for every field, e.g. ``SLIPSTREAM_SHM=0``;
-        ``overrides`` (a stack's config section) win over the environment. A bad variable is
-        refused naming it, before any group is built."""
-        values: dict = {}
-        for f in fields(cls):
-            name = _ENV_PREFIX + f.name.upper()
-            raw = environ.get(name)
-            if raw is None or f.name in overrides:
-                continue
-            kind = type(f.default)
-            try:
-                values[f.name] = _parse_bool(raw) if kind is bool else kind(raw)
-                check_field(f.name, values[f.name])
-            except ValueError as e:
-                raise ValueError(f"{name}={raw!r}: {e}") from None
-        values.update(overrides)
-        return cls(**values)
+    def check_field(cls, name: str, value) -> None:
+        """Refuse a bad value of field ``name`` with a ``ValueError`` that says why."""
+        if name in ("slot_bytes", "chunk_bytes") and (value <= 0 or value % 64):
+            raise ValueError(f"{name} must be a positive multiple of 64, got {value}")
+        if name == "small_bytes" and value < 0:
+            raise ValueError(f"small_bytes must be >= 0, got {value}")
+        if name == "connections" and not 1 <= value <= 16:
+            raise ValueError(f"connections must be between 1 and 16, got {value}")
+        if name == "port_base" and not 0 <= value < 65536:
+            raise ValueError(f"port_base must be a port number (or 0), got {value}")
+        if name == "min_hierarchical_bytes" and value < 0:
+            raise ValueError(f"min_hierarchical_bytes must be >= 0, got {value}")
+        # nan and inf would switch every bounded wait off
+        if name == "timeout_s" and not (math.isfinite(value) and value > 0):
+            raise ValueError(f"timeout_s must be a positive finite number of seconds, got {value}")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] = os.environ) -> "CommConfig":
+        """A group's settings when no code gives them: the ``"comm"`` part of the file named by
+        ``SLIPSTREAM_CONFIG`` (key by key), over ``SLIPSTREAM_<FIELD>`` variables (upper case,
+        e.g. ``SLIPSTREAM_SHM=0``), over the defaults. A bad value is refused naming the key
+        and file, or the variable, before any group is built."""
+        return cls.resolve(environ=environ)
+
+    @classmethod
+    def resolve(cls, *, code: "CommConfig | None" = None, section: Mapping[str, Any] | None = None,
+                where: str = "slipstream.comm", environ: Mapping[str, str] = os.environ) -> "CommConfig":
+        """The one precedence of the collectives' settings on every path: ``code`` (a whole
+        ``CommConfig`` given in code) > a stack's config section (``section``, its ``"comm"``
+        part; None: the ``SLIPSTREAM_CONFIG`` file's, if any) > ``SLIPSTREAM_*`` variables >
+        the defaults. ``where`` names the section in errors."""
+        if section is None:
+            found = config_file(environ)
+            if found is not None:
+                path, whole = found
+                section, where = _comm_part(whole, f"{path}: slipstream"), f"{path}: slipstream.comm"
+        section = {} if section is None else section
+        values = cls.values_from_dict(section, where)  # a typo is refused, even when code wins
+        if code is not None:
+            if not isinstance(code, CommConfig):
+                raise TypeError(f"config must be a CommConfig, got {type(code).__name__}")
+            return code
+        base = cls.values_from_env(environ)
+        try:
+            return cls(**{**base, **values})
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
 
 
-def check_field(name: str, value) -> None:
-    """Refuse a bad value of field ``name`` with a ``ValueError`` that says why."""
-    if name in ("slot_bytes", "chunk_bytes") and (value <= 0 or value % 64):
-        raise ValueError(f"{name} must be a positive multiple of 64, got {value}")
-    if name == "small_bytes" and value < 0:
-        raise ValueError(f"small_bytes must be >= 0, got {value}")
-    if name == "connections" and not 1 <= value <= 16:
-        raise ValueError(f"connections must be between 1 and 16, got {value}")
-    if name == "port_base" and not 0 <= value < 65536:
-        raise ValueError(f"port_base must be a port number (or 0), got {value}")
-    if name == "min_hierarchical_bytes" and value < 0:
-        raise ValueError(f"min_hierarchical_bytes must be >= 0, got {value}")
-    # nan and inf would switch every bounded wait off
-    if name == "timeout_s" and not (math.isfinite(value) and value > 0):
-        raise ValueError(f"timeout_s must be a positive finite number of seconds, got {value}")
-
-
-def _parse_bool(raw: str) -> bool:
-    low = raw.strip().lower()
-    if low in ("1", "true", "yes", "on"):
-        return True
-    if low in ("0", "false", "no", "off", ""):
-        return False
-    raise ValueError("expected 1/0, true/false, yes/no or on/off")
+def _comm_part(section, where: str):
+    require_mapping(section, where)
+    return section.get("comm", {})

@@ -1,18 +1,22 @@
 """One communicator per process group, for every entry point: the backend, the DDP hook, the
-adapters' stand-ins, the tuner.
+adapters' stand-ins.
 
     comm = pool.get(group)               # collective on first use: every member calls it
-    comm = pool.get(group, tuned=True)   # running the tuner's cached plan (else its cost model)
     pool.close(group)                    # that group's communicator only
+    pool.on_build(listener)              # listener(group, comm) after each communicator is built
 
 A communicator is built on the first ``get`` of its group (a collective: node subgroups,
-shared memory) and kept until ``close(group)`` or until torch forgets the group
-(``destroy_process_group``), when the next ``get`` builds a new one. A ``get`` that asks for
-other settings than the communicator was built with keeps the built one and says so once
-(rebuilding would be a collective the other ranks are not in).
+shared memory, the tuner's plan) and kept until ``close(group)`` or until torch forgets the
+group (``destroy_process_group``), when the next ``get`` builds a new one. Every communicator
+runs the same plan, whoever asks: the tuner's measured plan cached for the topology, else its
+cost model (``tuner.tuned_communicator``), so a call of a given size takes the same path from
+the backend, the DDP hook or an adapter. A ``get`` that asks for other settings than the
+communicator was built with keeps the built one and says so once (rebuilding would be a
+collective the other ranks are not in).
 
-A slipstream group's communicator runs over a gloo "twin" of its ranks, so the core's own
-collectives (topology exchange, subgroups) never come back to the slipstream backend.
+A group whose collectives come back to the core (the ``slipstream`` backend's) tells the pool
+what to build over (``core_spec``, below), so the core's own collectives (topology exchange,
+subgroups) never come back to it.
 """
 
 from __future__ import annotations
@@ -20,15 +24,14 @@ from __future__ import annotations
 import atexit
 import logging
 import threading
-from dataclasses import replace
-from datetime import timedelta
+from typing import Callable
 
 import torch.distributed as dist
 
 from .communicator import Communicator
 from .config import CommConfig
 
-__all__ = ["CommunicatorPool", "close", "close_all", "get", "items", "peek"]
+__all__ = ["CommunicatorPool", "close", "close_all", "get", "items", "on_build", "peek"]
 
 log = logging.getLogger("slipstream.comm")
 
@@ -36,7 +39,7 @@ log = logging.getLogger("slipstream.comm")
 class CommunicatorPool:
     """Communicators by process group (None: WORLD)."""
 
-    __slots__ = ("_comms", "_asked", "_warned", "_lock", "_exit_hook")
+    __slots__ = ("_comms", "_asked", "_warned", "_lock", "_exit_hook", "_listeners")
 
     def __init__(self) -> None:
         self._comms: dict = {}  # group -> Communicator
@@ -44,11 +47,11 @@ class CommunicatorPool:
         self._warned: set = set()  # (group, config) pairs already warned about
         self._lock = threading.RLock()
         self._exit_hook = False
+        self._listeners: list[Callable] = []
 
-    def get(self, group: dist.ProcessGroup | None = None, *, config: CommConfig | None = None,
-            tuned: bool = False) -> Communicator:
+    def get(self, group: dist.ProcessGroup | None = None, *, config: CommConfig | None = None) -> Communicator:
         """The communicator of ``group``; built (collectively) on first use with ``config``
-        (None: ``CommConfig.from_env()``), running the tuner's plan when ``tuned``."""
+        (None: ``CommConfig.from_env()``), running the tuner's plan."""
         key = _key(group)
         with self._lock:
             comm = self._comms.get(key)
@@ -56,7 +59,7 @@ class CommunicatorPool:
                 self._comms.pop(key).close()
                 comm = None
             if comm is None:
-                comm = self._comms[key] = _build(key, config, tuned)
+                comm = self._comms[key] = _build(key, config)
                 self._asked[key] = config
                 if not self._exit_hook:
                     # at exit, before torch's process groups are torn down: our worker threads
@@ -64,15 +67,24 @@ class CommunicatorPool:
                     # interpreter's end died with SIGABRT, 2 runs in 6, after an FSDP job)
                     atexit.register(self.close_all)
                     self._exit_hook = True
-                from .._status import announce
-
-                announce()
+                listeners = list(self._listeners)
             elif config is not None and config != self._asked[key] and (key, config) not in self._warned:
                 self._warned.add((key, config))
                 log.warning("slipstream: the communicator of group %s was built with %s; keeping it, "
                             "not %s (destroy the group or close it to change settings)", _ranks(key),
                             comm.config, config)
-            return comm
+                return comm
+            else:
+                return comm
+        for listener in listeners:
+            listener(key, comm)
+        return comm
+
+    def on_build(self, listener: Callable) -> None:
+        """Call ``listener(group, communicator)`` after each communicator is built."""
+        with self._lock:
+            if listener not in self._listeners:
+                self._listeners.append(listener)
 
     def peek(self, group: dist.ProcessGroup | None = None) -> Communicator | None:
         """The built communicator of ``group``, or None; never builds."""
@@ -115,22 +127,17 @@ def _ranks(group) -> list[int]:
         return []
 
 
-def _build(group, config: CommConfig | None, tuned: bool) -> Communicator:
-    from .backend.process_group import SlipstreamProcessGroup
-    from .groups import new_gloo_group
+def _build(group, config: CommConfig | None) -> Communicator:
+    from .tuner import tuned_communicator
 
     config = config if config is not None else CommConfig.from_env()
     over, checker = group, None
-    if isinstance(group, SlipstreamProcessGroup):
-        # every wait of its communicator within the group's own timeout, if that is shorter
-        config = replace(config, timeout_s=min(config.timeout_s, group.timeout.total_seconds()))
-        over = new_gloo_group(list(group.global_ranks), timedelta(seconds=config.timeout_s))
-        checker = group.call_check  # one sequence of checks per group, the backend's and ours
-    if tuned:
-        from .tuner.tuner import tuned_communicator
-
-        return tuned_communicator(over, config=config, checker=checker)
-    return Communicator(over, config=config, checker=checker)
+    core_spec = getattr(group, "core_spec", None)
+    if core_spec is not None:
+        # a group of the slipstream backend: the communicator runs over the gloo group it gives,
+        # within its timeout, with its same-call check
+        over, config, checker = core_spec(config)
+    return tuned_communicator(over, config=config, checker=checker)
 
 
 # The process's pool: a communicator belongs to its group, and a group to the process.
@@ -140,3 +147,4 @@ peek = _POOL.peek
 items = _POOL.items
 close = _POOL.close
 close_all = _POOL.close_all
+on_build = _POOL.on_build

@@ -1,37 +1,79 @@
-"""The routing rule of the core: which calls may take a fast path, how ops map onto the
-shared-memory kernels, and the flat-buffer helpers of the coalesced forms.
+"""The routing rule of the core: which path each collective takes.
 
-The communicator applies it to every call; the backend asks it (``refusal``) before it
-builds a communicator, so both decide alike.
+    local         the group has one rank
+    shm           one node: shared-memory CPU-Reduce, or from ``CMA_FROM_BYTES`` on the ranks'
+                  own tensors through cross-memory attach where the kernel allows it (``cma``)
+    hierarchical  several nodes of equal size: shared memory inside, a transport across
+    staged        CUDA tensors on a group without NCCL: pinned host memory, then the above
+    stock         everything else: the group's own collective
+
+The rule has two parts. ``refusal`` needs no communicator: what every rank of a correct program
+passes alike (device, dtype, op, layout) and the group's settings. The backend asks it before it
+builds a communicator (building one is collective), and the communicator asks it first on every
+call. ``route`` is the rest, which needs the built communicator: its topology, the fast paths it
+could build, and the plan's choice for the call's size (a tuner's measured plan, else the cost
+model, ``tuner.model_plan``, whose size thresholds are ``STOCK_BELOW_BYTES`` here). Everything
+depends only on what every rank sees alike, so all ranks route a call the same way.
 """
 
 from __future__ import annotations
 
-from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
-from .collectives.shm import ShmComm
+from .ops import OPS, REDUCIBLE_DTYPES, split_op
 
-__all__ = ["chain", "check_coalesced", "refusal", "split_op", "unflatten"]
+__all__ = ["CMA_FROM_BYTES", "STOCK_BELOW_BYTES", "Choice", "Plan", "refusal", "route", "use_cma"]
 
 ReduceOp = dist.ReduceOp
 
+CMA_FROM_BYTES = {"all_reduce": 512 << 10, "reduce_scatter": 256 << 10, "all_gather": 4 << 20}
+"""On one node, cross-memory attach from these sizes of the whole buffer (the allreduce's
+tensor, the reduce-scatter's input, the allgather's output), where it beat the shared-memory
+copies on 1 node x 4 ranks of the benchmark machine: at 256 KiB the allreduce took 0.95 ms
+against 0.85, at 512 KiB 1.11 against 1.15; the reduce-scatter 0.58 against 0.62 at 256 KiB;
+the allgather 1.06 against 1.03 at 1 MiB and 2.41 against 2.46 at 4 MiB."""
 
-def split_op(op) -> tuple:
-    """``(op, factor)``: PREMUL_SUM(factor) is ``(SUM, factor)``, every other op ``(op, None)``.
-    ``op`` may be a ``ReduceOp`` (with its factor) or a bare ``RedOpType``."""
-    if not isinstance(op, ReduceOp.RedOpType):  # a ReduceOp object, which may carry a factor
-        if op.op == ReduceOp.PREMUL_SUM:
-            return ReduceOp.SUM, op.__getstate__()[1]
-        return op.op, None
-    return op, None
+STOCK_BELOW_BYTES = {"all_reduce": 128 << 10, "all_gather": 128 << 10}
+"""Across nodes, the stock collective below these full-buffer sizes. From `chrt -f 10
+slipstream tune --budget 60` on 2 emulated nodes x 2 ranks at 1 Gbit/s (2-core KVM guest;
+benchmarks/results/tuner_*.md): stock's one ring beat hierarchical's three phases up to
+64 KiB (allreduce 0.80 vs 1.16 ms at 4 KiB, 0.99 vs 1.51 at 64 KiB; allgather 0.80 vs 1.28 at
+64 KiB), tied at 256 KiB (3.09 vs 3.17) and lost above (1 MiB: 11.3 vs 14.4 ms). The
+reduce-scatter gap was within noise (4 KiB: 0.83 vs 0.93 ms): hierarchical at every size.
+A config's ``min_hierarchical_bytes`` raises these."""
 
 
-def refusal(tensor: torch.Tensor, op=ReduceOp.SUM, others=()) -> str | None:
+@dataclass(frozen=True)
+class Choice:
+    """What a plan picks for one (collective, size, dtype)."""
+
+    algorithm: str
+    """'stock', 'shm' or 'hierarchical'; one the topology does not allow is ignored."""
+    chunk_bytes: int | None = None
+    """Chunk of the hierarchical pipeline for this call; None keeps the config's."""
+
+
+class Plan(Protocol):
+    """Per-call choices, e.g. measured by the tuner. None means: the built-in rules."""
+
+    def choose(self, kind: str, nbytes: int, dtype: torch.dtype) -> Choice | None: ...
+
+
+def refusal(tensor: torch.Tensor, op=ReduceOp.SUM, others=(), *, config, nccl: bool) -> str | None:
     """Why a collective of ``tensor`` (and ``others``, e.g. its output) with ``op`` cannot take
-    a fast path, or None. Depends only on what every rank of a correct program passes alike."""
+    a fast path on a group with settings ``config`` (``nccl``: the group has NCCL for CUDA
+    tensors), or None."""
+    if tensor.device.type == "cuda":
+        if nccl:
+            return "CUDA tensor on a group with NCCL"  # NCCL beats staging through host memory
+        if not config.cuda_staging:
+            return "CUDA staging is disabled"
+    if not config.shm:
+        return "shared memory is disabled (SLIPSTREAM_SHM=0)"
     if tensor.device.type not in ("cpu", "cuda"):
         return f"device {tensor.device} is not supported"
     for t in (tensor, *others):
@@ -42,51 +84,54 @@ def refusal(tensor: torch.Tensor, op=ReduceOp.SUM, others=()) -> str | None:
     base, factor = split_op(op)
     if factor is not None and not tensor.dtype.is_floating_point:
         return f"PREMUL_SUM of {tensor.dtype} is not defined"
-    return ShmComm.supports(tensor.new_empty(0, device="cpu"), base)
+    if tensor.dtype not in REDUCIBLE_DTYPES:
+        return f"dtype {tensor.dtype} is not supported"
+    if base not in OPS:
+        return f"op {base} is not supported"
+    if base == ReduceOp.AVG and not tensor.dtype.is_floating_point:
+        return f"AVG of {tensor.dtype} is not defined here"
+    return None
 
 
-def check_coalesced(kind: str, tensors: list, others: list | None = None) -> None:
-    if not tensors or (others is not None and len(others) != len(tensors)):
-        raise ValueError(f"{kind}: needs one or more tensors (and as many outputs as inputs)")
-    first = tensors[0]
-    for t in (*tensors, *(others or ())):
-        if t.dtype != first.dtype or t.device != first.device:
-            raise ValueError(f"{kind}: tensors of different dtypes or devices: {first.dtype} on "
-                             f"{first.device} and {t.dtype} on {t.device}")
+def route(kind: str, tensor: torch.Tensor, op, *, world: int, config, nccl: bool, plan: Plan | None,
+          hierarchical: bool, intra: bool, unavailable: str) -> tuple[str, str, Choice | None]:
+    """``(algorithm, reason, the plan's choice)`` for ``kind`` of ``tensor`` with ``op`` on a
+    group of ``world`` ranks whose communicator built the hierarchical path (``hierarchical``)
+    or the one-node path (``intra``), or neither, for the reason ``unavailable``."""
+    if world == 1:
+        return "local", "the group has one rank", None
+    why = refusal(tensor, op, config=config, nccl=nccl)
+    if why:
+        return "stock", why, None
+    nbytes = tensor.numel() * tensor.element_size()
+    choice = plan.choose(kind, nbytes, tensor.dtype) if plan is not None else None
+    by_size = _stock_gives_the_same(kind, tensor, op)  # only then may speed alone choose stock
+    if by_size and choice is not None and choice.algorithm == "stock":
+        return "stock", f"the plan ({getattr(plan, 'source', 'given')}) chose the stock collective", choice
+    if choice is not None and choice.algorithm == "stock":
+        choice = None
+    staged = tensor.device.type == "cuda"
+    if hierarchical:
+        if by_size and choice is None and nbytes < config.min_hierarchical_bytes:
+            return "stock", f"{nbytes} bytes is below min_hierarchical_bytes", None
+        return ("staged" if staged else "hierarchical"), "", choice
+    if intra:
+        return ("staged" if staged else "shm"), "", choice
+    return "stock", unavailable or "no fast path for this topology", choice
 
 
-def unflatten(flat: torch.Tensor, tensors: list) -> None:
-    at = 0
-    for t in tensors:
-        t.copy_(flat[at:at + t.numel()].view_as(t))
-        at += t.numel()
+def _stock_gives_the_same(kind: str, tensor: torch.Tensor, op) -> bool:
+    """Whether the stock collective computes what the fast paths do, so that a size threshold
+    may send the call there: an all-gather (no arithmetic), or a plain SUM of a float32/float64
+    or integer tensor. gloo refuses AVG and PREMUL_SUM, its MAX/MIN drop NaNs the core keeps,
+    and the core sums fp16/bf16 in fp32."""
+    if kind == "all_gather":
+        return True
+    base, factor = split_op(op)
+    return base == ReduceOp.SUM and factor is None and tensor.dtype not in (torch.float16, torch.bfloat16)
 
 
-def chain(work, finish) -> Future:
-    """A future that completes once ``work`` (the core's ``Work`` or a stock ``dist.Work``)
-    has and ``finish()`` has run; an error of either is the future's error."""
-    done: Future = Future()
-
-    def then(error: BaseException | None) -> None:
-        try:
-            if error is not None:
-                raise error
-            finish()
-        except BaseException as e:  # noqa: BLE001 - handed to whoever waits
-            done.set_exception(e)
-        else:
-            done.set_result(None)
-
-    if isinstance(work, dist.Work):
-        def stock_done(f) -> None:
-            try:
-                f.wait()
-            except BaseException as e:  # noqa: BLE001
-                then(e)
-            else:
-                then(None)
-
-        work.get_future().add_done_callback(stock_done)
-    else:
-        work.get_future().add_done_callback(lambda f: then(f.exception()))
-    return done
+def use_cma(kind: str, nbytes: int) -> bool:
+    """Whether a one-node ``kind`` of a buffer of ``nbytes`` (the larger of output and input)
+    goes through cross-memory attach, where the communicator has it."""
+    return nbytes >= CMA_FROM_BYTES[kind]

@@ -2,7 +2,7 @@
 section, and apply the job-wide effects of its settings once per process.
 
 Settings, first found first: code (``slipstream.enable(config)``) > the stack's section >
-``SLIPSTREAM_*`` > defaults (``slipstream.config.resolve_comm``).
+``SLIPSTREAM_*`` > defaults (``CommConfig.resolve``).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Mapping
 
-from ..config import SlipstreamConfig
+from .config import SlipstreamConfig
 from ..core_comm.backend.registry import registered_config
 from .cpu_memory import keep_freed_memory, release_freed_memory
 

@@ -1,8 +1,9 @@
 """Install each stack's adapter hook when that stack is imported, never importing it first.
 
 ``slipstream.enable()`` calls ``install_hooks()``: a stack already imported gets its hook at
-once; for one imported later, a finder on ``sys.meta_path`` runs the hook right after the
-stack's module has executed, then removes itself. ``remove_hooks()`` undoes both exactly.
+once; for one imported later, a finder on ``sys.meta_path`` (the start-up hook's design,
+``slipstream_autoload.AfterImport``) runs the hook right after the stack's module has
+executed, then removes itself. ``remove_hooks()`` undoes both exactly.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import importlib.abc
 import importlib.util
 import sys
 
+from slipstream_autoload import AfterImport
+
 __all__ = ["install_hooks", "remove_hooks"]
 
 # stack module -> adapter module with install() / uninstall()
@@ -19,43 +22,18 @@ ADAPTERS = {"deepspeed": "slipstream.plugins.deepspeed", "accelerate": "slipstre
             "megatron.core": "slipstream.plugins.megatron"}
 
 
-class _AfterImport(importlib.abc.MetaPathFinder):
-    """Runs ``install()`` of the adapter once ``name`` has been imported."""
+class _AdapterHook(AfterImport):
+    """Installs the adapter of one stack once the stack has been imported (the start-up hook's
+    finder, ``slipstream_autoload.AfterImport``)."""
 
     def __init__(self, name: str) -> None:
+        super().__init__({name}, lambda stack: importlib.import_module(ADAPTERS[stack]).install())
         self.name = name
-        self._searching = False
-
-    def find_spec(self, fullname, path=None, target=None):
-        if fullname != self.name or self._searching:
-            return None
-        self._searching = True
-        try:
-            spec = importlib.util.find_spec(fullname)  # the finders after this one
-        finally:
-            self._searching = False
-        if spec is None or spec.loader is None:
-            return None
-        spec.loader = _ThenInstall(spec.loader, self)
-        return spec
-
-
-class _ThenInstall(importlib.abc.Loader):
-    def __init__(self, loader, finder: _AfterImport) -> None:
-        self._loader, self._finder = loader, finder
-
-    def create_module(self, spec):
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module) -> None:
-        self._loader.exec_module(module)
-        _remove_finder(self._finder.name)
-        importlib.import_module(ADAPTERS[self._finder.name]).install()
 
 
 def _remove_finder(name: str) -> None:
     sys.meta_path[:] = [f for f in sys.meta_path
-                        if not (isinstance(f, (_AfterImport, _WhenInitialised)) and f.name == name)]
+                        if not (isinstance(f, (_AdapterHook, _WhenInitialised)) and f.name == name)]
 
 
 class _WhenInitialised(importlib.abc.MetaPathFinder):
@@ -89,9 +67,9 @@ def install_hooks() -> None:
         elif name in sys.modules:
             importlib.import_module(adapter).install()
         elif importlib.util.find_spec(name) is not None and not any(
-            isinstance(f, _AfterImport) and f.name == name for f in sys.meta_path
+            isinstance(f, _AdapterHook) and f.name == name for f in sys.meta_path
         ):
-            sys.meta_path.insert(0, _AfterImport(name))
+            sys.meta_path.insert(0, _AdapterHook(name))
 
 
 def remove_hooks() -> None:

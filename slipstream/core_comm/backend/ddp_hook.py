@@ -18,7 +18,6 @@ import torch
 import torch.distributed as dist
 
 from .. import pool
-from ..communicator import as_torch_future
 from ..config import CommConfig
 
 __all__ = ["DDPHookState", "ddp_hook"]
@@ -54,4 +53,4 @@ def ddp_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tenso
     buffer = bucket.buffer()
     buffer.div_(comm.world)
     work = comm.all_reduce(buffer, dist.ReduceOp.SUM, async_op=True)
-    return as_torch_future(work, buffer)
+    return work.returning(buffer).get_future()

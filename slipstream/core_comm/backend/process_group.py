@@ -40,7 +40,7 @@ output tensors, as gloo's is.
 from __future__ import annotations
 
 import logging
-import time
+from dataclasses import replace
 from datetime import timedelta
 
 import torch
@@ -53,14 +53,18 @@ from torch._C._distributed_c10d import (
     _create_work_from_future,
 )
 
-from .registry import BACKEND
 from .. import counters, pool
-from ..call_check import CallCheck, checked, describe
-from ..communicator import Communicator, as_torch_future
+from ..call_check import CallCheck, checked
+from ..communicator import Communicator
 from ..config import CommConfig
+from ..groups import new_gloo_group
+from ..ops import describe
 from ..routing import refusal
+from ..work import Work
 
 __all__ = ["BACKEND", "SlipstreamProcessGroup", "create_process_group"]
+
+BACKEND = "slipstream"
 
 log = logging.getLogger("slipstream.backend")
 
@@ -109,6 +113,15 @@ class SlipstreamProcessGroup(dist.ProcessGroup):
     def communicator(self) -> Communicator | None:
         """The core's communicator of this group; None until the first accelerated call."""
         return pool.peek(self)
+
+    def core_spec(self, config: CommConfig) -> tuple:
+        """What the pool builds this group's communicator with: a gloo group of the same ranks
+        (the core's own collectives must not come back here), ``config`` with every wait
+        within the group's own timeout where that is shorter, and the group's same-call check
+        (one sequence of checks per group, the backend's and the communicator's). Collective."""
+        config = replace(config, timeout_s=min(config.timeout_s, self.timeout.total_seconds()))
+        over = new_gloo_group(list(self._global_ranks), timedelta(seconds=config.timeout_s))
+        return over, config, self.call_check
 
     # ---------------------------------------------------------------- accelerated collectives
 
@@ -251,18 +264,15 @@ class SlipstreamProcessGroup(dist.ProcessGroup):
         return self._gloo
 
     def _fast(self, tensor, op, opts, kind, *others, nbytes: int) -> Communicator | None:
-        """The communicator if this call takes the fast path, else None (stock, counted).
+        """The communicator, which routes the call by the core's rule, when the part of the rule
+        that needs no communicator lets it; else None (stock, counted).
 
         Decided from what every rank of a correct program passes alike (device, dtype, op,
-        size, options), so all ranks decide the same; the first time it says yes, every rank
+        options), so all ranks decide the same; the first time it says yes, every rank
         builds the communicator (collective)."""
         why = self._refusal(tensor, op, opts, others)
-        comm = None
         if why is None:
-            comm = pool.get(self, config=self._config)
-            algo, why = comm.algorithm(tensor, op, kind.replace("_coalesced", ""))
-            if algo != "stock":
-                return comm
+            return pool.get(self, config=self._config)
         log.debug("slipstream %s of %s %s: stock %s: %s", kind, tuple(tensor.shape), tensor.dtype,
                   self._stock(tensor).name(), why)
         counters.count(kind, "stock", nbytes)
@@ -278,15 +288,13 @@ class SlipstreamProcessGroup(dist.ProcessGroup):
         return self._fast(inputs[0], op, opts, kind, *inputs[1:], *outputs, nbytes=_nbytes(*big))
 
     def _refusal(self, tensor, op, opts, others) -> str | None:
+        """The core's rule (``routing.refusal``), and what only the backend sees: the group
+        size (no communicator for one rank) and a per-call timeout (the stock backend's)."""
         if self._size == 1:
             return "the group has one rank"
-        if not self._config.shm:
-            return "shared memory is disabled (SLIPSTREAM_SHM=0)"
         if opts.timeout != _UNSET_TIMEOUT:
             return "a per-call timeout is the stock backend's"
-        if tensor.device.type == "cuda" and self._nccl is not None:
-            return "CUDA tensor on a group with NCCL"  # NCCL beats staging through host memory
-        return refusal(tensor, op, others)
+        return refusal(tensor, op, others, config=self._config, nccl=self._nccl is not None)
 
 
 # -------------------------------------------------------------------- helpers
@@ -344,52 +352,9 @@ def _launch(run, outputs: list, opts):
     if not opts.asyncOp:
         with checked():
             run(False)  # an error raises here, in the caller
-        fut: torch.futures.Future = torch.futures.Future()
-        fut.set_result(outputs)
-        return _create_work_from_future(fut)
+        return Work.completed(outputs)
     with checked():  # the backend checked the call already
-        work = run(True)
-    return _FutureWork(as_torch_future(work, outputs))
-
-
-class _FutureWork(dist.Work):
-    """A ``Work`` over a torch future whose ``wait`` raises the future's error."""
-
-    def __init__(self, future: torch.futures.Future) -> None:
-        super().__init__()
-        self._future = future
-
-    def wait(self, timeout=None) -> bool:
-        if timeout:  # a timedelta, as torch's Work.wait takes; zero means none (kNoTimeout)
-            deadline = time.monotonic() + timeout.total_seconds()
-            while not self._future.done():
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"slipstream collective not done within {timeout}")
-                time.sleep(0.001)
-        self._future.wait()  # raises the call's error
-        return True
-
-    def is_completed(self) -> bool:
-        return self._future.done()
-
-    def is_success(self) -> bool:
-        if not self._future.done():
-            return False
-        try:
-            self._future.value()
-        except Exception:  # noqa: BLE001 - success is the absence of one
-            return False
-        return True
-
-    def exception(self):
-        try:
-            self._future.value()
-        except Exception as e:  # noqa: BLE001
-            return e
-        return None
-
-    def get_future(self) -> torch.futures.Future:
-        return self._future
+        return run(True).returning(outputs)
 
 
 def _gloo(store, rank, size, timeout, global_ranks, group_name) -> dist.ProcessGroupGloo:

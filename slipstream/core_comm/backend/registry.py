@@ -1,16 +1,15 @@
 """Registration of the ``slipstream`` backend with torch.distributed, and its exact undo.
 
 ``register`` is idempotent and touches only torch's backend tables; the ``monitored_barrier``
-shim is installed by ``slipstream.enable`` and by the creation of a slipstream group, not by
-``import slipstream``. ``snapshot`` / ``restore`` put the tables and the shimmed functions back
-exactly as they were, which is what ``slipstream.disable`` does. The group class and the communicator are imported only when torch creates a group, so
-registering costs no more than importing torch.distributed.
+shim (a patch in the one registry, ``_common.patch``) is installed by ``slipstream.enable`` and
+by the creation of a slipstream group, not by ``import slipstream``. ``record_tables`` records
+the tables as they are, so that the registry's undo (``slipstream.disable``) puts them back
+exactly.
 """
 
 from __future__ import annotations
 
 import functools
-import sys
 import warnings
 from datetime import timedelta
 from typing import Any
@@ -18,20 +17,18 @@ from typing import Any
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
+from ..._common.patch import change, patch
 from ..config import CommConfig
+from .process_group import BACKEND, SlipstreamProcessGroup, create_process_group
 
-__all__ = ["BACKEND", "install_barrier_shim", "register", "restore", "snapshot"]
+__all__ = ["BACKEND", "install_barrier_shim", "record_tables", "register", "registered_config"]
 
-BACKEND = "slipstream"
 DEVICES = ("cpu", "cuda")
-_MARKER = "__slipstream_patch__"
 _MISSING = object()
 
 
 def _creator(config: CommConfig | None):
     def create_slipstream_group(dist_options, pg_options=None):
-        from .process_group import create_process_group
-
         install_barrier_shim()  # torch refuses monitored_barrier on a backend not named gloo
         return create_process_group(dist_options, pg_options, config=config)
 
@@ -58,8 +55,7 @@ def register(config: CommConfig | None = None) -> None:
 def install_barrier_shim() -> None:
     """Let ``monitored_barrier`` run on slipstream groups (idempotent)."""
     for module in (dist, c10d):
-        if not getattr(module.monitored_barrier, _MARKER, False):
-            module.monitored_barrier = _monitored_barrier(module.monitored_barrier)
+        patch(module, "monitored_barrier", _monitored_barrier(module.monitored_barrier), owner="backend")
 
 
 # -------------------------------------------------------------------- exact undo
@@ -67,19 +63,21 @@ def install_barrier_shim() -> None:
 _TABLES = ("backend_list", "backend_type_map", "backend_capability", "_plugins", "default_device_backend_map")
 
 
-def snapshot() -> dict:
-    """What ``register`` and ``slipstream.enable`` change, to hand to ``restore``."""
+def record_tables(owner: str) -> None:
+    """Record torch's backend tables as they are now, once: undoing the record (the patch
+    registry's ``uninstall_all``) puts them back exactly, in place."""
+    what = "torch.distributed.Backend tables"
+    change(what, what, functools.partial(_restore, _snapshot()), owner=owner)
+
+
+def _snapshot() -> dict:
     B = dist.Backend
-    return {
-        "attr": B.__dict__.get(BACKEND.upper(), _MISSING),
-        "tables": {name: _copy(getattr(B, name)) for name in _TABLES},
-        "functions": {module: module.monitored_barrier for module in (dist, c10d)},
-    }
+    return {"attr": B.__dict__.get(BACKEND.upper(), _MISSING), "tables": {name: _copy(getattr(B, name)) for name in _TABLES}}
 
 
-def restore(saved: dict) -> None:
-    """Put torch's backend tables and ``monitored_barrier`` back as ``saved`` holds them.
-    The table objects are updated in place: other modules hold references to them."""
+def _restore(saved: dict) -> None:
+    """Put torch's backend tables back as ``saved`` holds them. The table objects are updated
+    in place: other modules hold references to them."""
     B = dist.Backend
     if saved["attr"] is _MISSING:
         if BACKEND.upper() in B.__dict__:
@@ -93,8 +91,6 @@ def restore(saved: dict) -> None:
         else:
             table.clear()
             table.update(value)
-    for module, fn in saved["functions"].items():
-        module.monitored_barrier = fn
 
 
 def _copy(table):
@@ -111,8 +107,7 @@ def _monitored_barrier(original):
     @functools.wraps(original)
     def monitored_barrier(group=None, timeout=None, wait_all_ranks=False):
         target = group if group is not None else (c10d._get_default_group() if dist.is_initialized() else None)
-        module = sys.modules.get(__package__ + ".process_group")
-        if module is None or not isinstance(target, module.SlipstreamProcessGroup):
+        if not isinstance(target, SlipstreamProcessGroup):
             return original(group, timeout, wait_all_ranks)
         if timeout is None:
             timeout = c10d._get_default_timeout(dist.Backend.GLOO)
@@ -123,5 +118,4 @@ def _monitored_barrier(original):
         c10d._check_valid_timeout(timeout)
         return target.monitored_barrier(timeout, wait_all_ranks=wait_all_ranks)
 
-    setattr(monitored_barrier, _MARKER, True)
     return monitored_barrier

@@ -50,13 +50,12 @@ import secrets
 import torch
 import torch.distributed as dist
 
+from ..ops import COMBINE, level_op
 from .shm import ShmComm, ShmError, _check_sizes, _split
 
 __all__ = ["CmaComm", "MIN_BYTES", "read_peer", "write_peer"]
 
 ReduceOp = dist.ReduceOp
-_COMBINE = {ReduceOp.SUM: torch.add, ReduceOp.AVG: torch.add, ReduceOp.PRODUCT: torch.mul,
-            ReduceOp.MAX: torch.maximum, ReduceOp.MIN: torch.minimum}
 
 MIN_BYTES = {"all_reduce": 512 << 10, "reduce_scatter": 256 << 10, "all_gather": 4 << 20}
 """The communicator takes this path from these sizes of the whole buffer (the allreduce's
@@ -216,7 +215,7 @@ class CmaComm:
         rank's buffer, this rank's being ``own: (m,)`` (``dst`` may be ``own``); with
         ``push``, also written to the same place in every peer's buffer. Peers are combined
         one at a time, in ``_peers`` order."""
-        fn = _COMBINE[op]
+        fn = COMBINE[level_op(op)]
         upcast = dst.dtype in (torch.float16, torch.bfloat16) and fn in (torch.add, torch.mul)
         row = self._scratch.view(dst.dtype)
         esz, cap = dst.element_size(), row.numel()

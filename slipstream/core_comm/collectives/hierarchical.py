@@ -20,115 +20,20 @@ all ranks sends 2(W-1)/W * S across the link that its ring crosses.
 from __future__ import annotations
 
 from collections import deque
-from typing import Callable, Iterable, Protocol
+from typing import Callable, Iterable
 
 import torch
 import torch.distributed as dist
 
-from .shm import ShmComm, reduce_rows
+from ..ops import level_op as level_op_of
 from ..topology import Topology
+from ..transport import InterTransport
+from ..transport.gloo import GlooInter
+from .shm import ShmComm
 
-__all__ = ["Hierarchical", "InterTransport", "GlooInter"]
+__all__ = ["Hierarchical"]
 
 ReduceOp = dist.ReduceOp
-# AVG is a SUM at both levels and one division at the end; the rest keep their op.
-_LEVEL_OP = {ReduceOp.AVG: ReduceOp.SUM}
-# Element-wise combine of two peers' shards, by the reduction op of one level.
-_PAIR_COMBINE = {ReduceOp.SUM: torch.add, ReduceOp.PRODUCT: torch.mul, ReduceOp.MAX: torch.maximum,
-                 ReduceOp.MIN: torch.minimum}
-
-
-class InterTransport(Protocol):
-    """How a rank exchanges with its peers on the other nodes (one per node, in node order
-    given by ``Hierarchical``'s inter positions). ``GlooInter`` is the default; a
-    multi-connection TCP transport implements the same three calls. With ``async_op`` each
-    returns a handle whose ``wait()`` completes the call (the data is in place after it)."""
-
-    def all_reduce(self, shard: torch.Tensor, op, async_op: bool = False): ...
-    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op, async_op: bool = False): ...
-    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, async_op: bool = False): ...
-
-
-class GlooInter:
-    """The inter-node exchange through the stock backend of a process group."""
-
-    __slots__ = ("group", "rank", "size")
-
-    def __init__(self, group: dist.ProcessGroup) -> None:
-        self.group = group
-        self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
-
-    def all_reduce(self, shard, op, async_op=False):
-        combine = _PAIR_COMBINE.get(op)
-        if self.size != 2 or combine is None:
-            return dist.all_reduce(shard, op=op, group=self.group, async_op=async_op)
-        # Two peers swap their shards whole and combine them, in group-rank order on both so
-        # that both hold the same bits: the same bytes on the link as gloo's ring (the shard
-        # once each way) in one round instead of two. 16 MiB allreduce on 2x2 emulated nodes
-        # at 1gbit (chrt -f 10, alternated runs): 153 ms against 161-168 with gloo's.
-        received = torch.empty_like(shard)
-        works = self._exchange([shard] * 2, [received] * 2)
-        first, second = (shard, received) if self.rank == 0 else (received, shard)
-        return _finish(_Exchange(works, lambda: combine(first, second, out=shard)), async_op)
-
-    def reduce_scatter(self, out, inp, op, async_op=False):
-        """``out: (m,)`` gets block ``rank`` of the reduction of every peer's ``inp: (size*m,)``.
-        The reduction runs in ``wait()``, on the caller's thread."""
-        # gloo's reduce-scatter moves as many bytes as an allreduce (measured on the emulated
-        # link: 67 MiB out of a node for a 64 MiB reduce-scatter); a direct exchange sends
-        # each peer exactly the block it owns, (N-1)/N of the input, the least possible.
-        blocks = inp.view(self.size, out.numel())
-        received = torch.empty((self.size, out.numel()), dtype=inp.dtype)
-        received[self.rank].copy_(blocks[self.rank])
-        works = self._exchange(blocks, received)
-        return _finish(_Exchange(works, lambda: reduce_rows(received, out, op, self.size)), async_op)
-
-    def all_gather(self, out, inp, async_op=False):
-        """``out: (size*m,)`` gets every peer's ``inp: (m,)`` in group-rank order."""
-        # A direct exchange, like reduce_scatter: gloo's allgather moves the same bytes but
-        # took 75-109 ms (median 88) for 4 MiB a rank where this takes 71-85 (median 73), and
-        # 320-456 ms (374) vs 285-300 (294) for 16 MiB (2x2 emulated nodes, 1gbit, chrt -f 10).
-        rows = out.view(self.size, inp.numel())
-        rows[self.rank].copy_(inp)
-        works = self._exchange([inp] * self.size, rows)
-        return _finish(_Exchange(works, None), async_op)
-
-    def _exchange(self, sends, recvs) -> list:
-        """Send ``sends[q]`` to and receive ``recvs[q]`` from every peer q but this rank.
-
-        Receives are posted before sends, each on its own: with ``batch_isend_irecv`` the
-        reduce-scatter of 4 MiB a rank took 75-143 ms (median 83), with this 75-81 (78), and
-        307-578 ms (364) vs 308-330 (322) for 16 MiB, against 70 and 281 ms of TCP goodput
-        (2x2 emulated nodes, 1gbit, chrt -f 10). Calls between the same peers match in the
-        order they are made (gloo queues sends and receives per peer and tag)."""
-        peers = [(q, dist.get_global_rank(self.group, q)) for q in range(self.size) if q != self.rank]
-        works = [dist.irecv(recvs[q], g, group=self.group) for q, g in peers]
-        return works + [dist.isend(sends[q], g, group=self.group) for q, g in peers]
-
-
-class _Exchange:
-    """Handle of a ``GlooInter`` exchange: ``wait()`` waits for every send and receive, then
-    runs ``then`` (the reduction) once."""
-
-    __slots__ = ("_works", "_then")
-
-    def __init__(self, works: list, then: Callable[[], object] | None) -> None:
-        self._works, self._then = works, then
-
-    def wait(self) -> bool:
-        for work in self._works:
-            work.wait()
-        then, self._then = self._then, None
-        if then is not None:
-            then()
-        return True
-
-
-def _finish(handle: _Exchange, async_op: bool) -> _Exchange | None:
-    if async_op:
-        return handle
-    handle.wait()
-    return None
 
 
 class Hierarchical:
@@ -177,7 +82,7 @@ class Hierarchical:
         """In place on a contiguous 1-D CPU tensor, in pipelined chunks of ``chunk_bytes``
         (default: the one given at construction)."""
         m_local = self.topo.local_size
-        level_op = _LEVEL_OP.get(op, op)
+        level_op = level_op_of(op)
         nbytes = chunk_bytes or self.chunk_bytes
         step = max(m_local, nbytes // flat.element_size() // m_local * m_local)
 
@@ -207,7 +112,7 @@ class Hierarchical:
         In pipelined chunks of about ``chunk_bytes`` of ``inp`` (default: the one given at
         construction), each the same columns of every block."""
         n, nodes = out.numel(), self.topo.num_nodes
-        level_op = _LEVEL_OP.get(op, op)
+        level_op = level_op_of(op)
         blocks = inp.view(self.topo.world_size, n)
 
         def start(cols: slice):

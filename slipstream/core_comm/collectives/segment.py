@@ -9,20 +9,12 @@ import mmap
 import os
 import secrets
 
-import torch
 import torch.distributed as dist
 
-ReduceOp = dist.ReduceOp
+from ..ops import DTYPES, KINDS, OPS, name_of
 
-SUPPORTED_DTYPES = (
-    torch.float32, torch.float16, torch.bfloat16, torch.float64,
-    torch.int32, torch.int64, torch.uint8,
-)
-_DTYPE_CODE = {dt: i + 1 for i, dt in enumerate(SUPPORTED_DTYPES)}
-SUPPORTED_OPS = (ReduceOp.SUM, ReduceOp.AVG, ReduceOp.PRODUCT, ReduceOp.MAX, ReduceOp.MIN)
-_OP_CODE = {op: i + 1 for i, op in enumerate(SUPPORTED_OPS)}
-_KIND_CODE = {"all_reduce": 1, "reduce_scatter": 2, "all_gather": 3,
-              "cma_all_reduce": 4, "cma_reduce_scatter": 5, "cma_all_gather": 6}
+KINDS_HERE = KINDS + tuple(f"cma_{k}" for k in KINDS)
+"""The calls a control line names: the shared-memory ones, and those of ``cma.py``."""
 
 _LINE = 64  # bytes of one control line; also the alignment of slots and slices
 _STEP, _SEQ, _KIND, _NUMEL, _DTYPE, _OP, _PID, _ADDR = range(8)
@@ -45,10 +37,7 @@ def _process_gone(pid: int) -> bool:
 def _describe(fields) -> str:
     """Text for the (kind, numel, dtype, op) fields of a control line."""
     kind, numel, dtype, op = (int(v) for v in fields[:4])
-    kinds = {v: k for k, v in _KIND_CODE.items()}
-    dtypes = {v: k for k, v in _DTYPE_CODE.items()}
-    ops = {v: k for k, v in _OP_CODE.items()}
-    return f"{kinds.get(kind)} of {numel} x {dtypes.get(dtype)} ({ops.get(op)})"
+    return f"{name_of(KINDS_HERE, kind)} of {numel} x {name_of(DTYPES, dtype)} ({name_of(OPS, op)})"
 
 
 SHM_DIR = "/dev/shm"

@@ -42,30 +42,27 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..ops import DTYPES, OPS, REDUCIBLE_DTYPES, code, reduce_rows
 from .segment import (
     _ABORTED,
     _ADDR,
     _DTYPE,
-    _DTYPE_CODE,
     _KIND,
-    _KIND_CODE,
     _LINE,
     _LINE_WORDS,
     _NUMEL,
     _OP,
-    _OP_CODE,
     _PID,
     _SEQ,
     _STEP,
-    SUPPORTED_DTYPES,
-    SUPPORTED_OPS,
+    KINDS_HERE,
     ShmError,
     _describe,
     _map_segment,
     _process_gone,
 )
 
-__all__ = ["ShmComm", "ShmError", "SUPPORTED_DTYPES", "SUPPORTED_OPS", "is_supported_platform", "reduce_rows"]
+__all__ = ["ShmComm", "ShmError", "is_supported_platform"]
 
 ReduceOp = dist.ReduceOp
 _MIN_SLEEP_S, _MAX_SLEEP_S = 50e-6, 1e-3  # a waiting rank's sleep, after its first 64 yields
@@ -80,7 +77,7 @@ class ShmComm:
     """Collectives among the ranks of ``group``, which must all run on one node.
 
     Construction is collective over ``group``. Tensors must be CPU tensors of a dtype in
-    ``SUPPORTED_DTYPES`` and an op in ``SUPPORTED_OPS`` (AVG for floating dtypes only);
+    ``ops.REDUCIBLE_DTYPES`` and an op in ``ops.OPS`` (AVG for floating dtypes only);
     callers check ``supports`` and use the stock collective otherwise.
     """
 
@@ -139,9 +136,9 @@ class ShmComm:
         """None if the tensor and op can take this path, else the reason they cannot."""
         if tensor.device.type != "cpu":
             return f"device {tensor.device} is not cpu"
-        if tensor.dtype not in _DTYPE_CODE:
+        if tensor.dtype not in REDUCIBLE_DTYPES:
             return f"dtype {tensor.dtype} is not supported"
-        if op not in _OP_CODE:
+        if op not in OPS:
             return f"op {op} is not supported"
         if op == ReduceOp.AVG and not tensor.dtype.is_floating_point:
             return f"AVG of {tensor.dtype} is not defined here"
@@ -307,10 +304,10 @@ class ShmComm:
         self._seq += 1
         line = self._ctrl[self.rank]
         line[_SEQ] = 0  # seqlock: invalid while the fields change
-        line[_KIND] = _KIND_CODE[kind]
+        line[_KIND] = code(KINDS_HERE, kind)
         line[_NUMEL] = t.numel()
-        line[_DTYPE] = _DTYPE_CODE[t.dtype]
-        line[_OP] = _OP_CODE[op]
+        line[_DTYPE] = code(DTYPES, t.dtype)
+        line[_OP] = code(OPS, op)
         line[_SEQ] = self._seq  # written last: peers compare fields only at an equal seq
         self._unchecked = True
 
@@ -404,23 +401,3 @@ def _check_sizes(kind: str, output: torch.Tensor, input: torch.Tensor, world: in
             f"{input.dtype}: expected the {'output' if big is output else 'input'} to hold "
             f"world_size ({world}) times the elements of the other, of the same dtype"
         )
-
-
-def reduce_rows(rows: torch.Tensor, out: torch.Tensor, op, world: int) -> None:
-    """``out: (m,) = op over rows: (world, m)`` in one torch op; fp16/bf16 sums and
-    products accumulate in fp32; integer sums wrap around like gloo's."""
-    if op == ReduceOp.MAX:
-        torch.amax(rows, 0, out=out)
-    elif op == ReduceOp.MIN:
-        torch.amin(rows, 0, out=out)
-    else:
-        fn = torch.prod if op == ReduceOp.PRODUCT else torch.sum
-        if out.dtype in (torch.float16, torch.bfloat16):
-            acc = fn(rows, 0, dtype=torch.float32)
-            if op == ReduceOp.AVG:
-                acc.div_(world)
-            out.copy_(acc)
-        else:
-            fn(rows, 0, dtype=out.dtype, out=out)
-            if op == ReduceOp.AVG:
-                out.div_(world)

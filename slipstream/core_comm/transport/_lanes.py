@@ -20,11 +20,11 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from ..ops import DTYPES, KINDS, code, name_of
+from ..work import Work
+
 log = logging.getLogger("slipstream.transport")
 
-_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16,
-           torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
-_KINDS = ("all_reduce", "reduce_scatter", "all_gather")
 _MAGIC = b"SLPT"
 _HEADER = struct.Struct("<4sBBHQQQ")  # magic, kind, dtype, step, call, numel, piece bytes
 _HELLO = struct.Struct("<4s16sII")  # magic, set-up token, group rank, lane
@@ -50,7 +50,7 @@ class _Call:
         self._lock = threading.Lock()
 
     def describe(self) -> str:
-        return f"{_KINDS[self.kind]} #{self.seq} of {self.numel} {_DTYPES[self.dtype]}"
+        return f"{name_of(KINDS, self.kind)} #{self.seq} of {self.numel} {name_of(DTYPES, self.dtype)}"
 
     def lane_done(self, error: BaseException | None) -> None:
         with self._lock:
@@ -61,25 +61,6 @@ class _Call:
                 self.future.set_exception(error)
             elif self._left == 0:
                 self.future.set_result(None)
-
-
-class _Work:
-    """Handle of an asynchronous call, like torch.distributed's ``Work``."""
-
-    __slots__ = ("_future",)
-
-    def __init__(self, future: Future) -> None:
-        self._future = future
-
-    def wait(self, timeout=None) -> bool:
-        self._future.result()
-        return True
-
-    def is_completed(self) -> bool:
-        return self._future.done()
-
-    def get_future(self) -> Future:
-        return self._future
 
 
 # A lane's share of one step: send a piece, receive one, then run ``post`` (reduce, copy).
@@ -113,16 +94,16 @@ class _Lanes:
                 t.start()
                 self._threads.append(t)
 
-    def submit(self, kind: str, tensor: torch.Tensor, programs: Sequence[list[_Step]]) -> _Work:
+    def submit(self, kind: str, tensor: torch.Tensor, programs: Sequence[list[_Step]]) -> Work:
         with self._lock:
             if self.error is not None or self.closed:
                 raise TransportError(f"the transport is unusable: {self.error or 'it was closed'}")
-            call = _Call(self._seq, _KINDS.index(kind), _DTYPES.index(tensor.dtype), tensor.numel(),
+            call = _Call(self._seq, code(KINDS, kind), code(DTYPES, tensor.dtype), tensor.numel(),
                          len(programs))
             self._seq += 1
             for c, steps in enumerate(programs):
                 self._work[c].put((call, steps))
-        return _Work(call.future)
+        return Work(call.future)
 
     def fail(self, error: BaseException) -> None:
         """Record the first error and shut every socket, so that blocked lanes wake up."""
@@ -222,8 +203,7 @@ class _Lanes:
         if magic != _MAGIC:
             return f"{peer} sent bytes that are not a slipstream header during {call.describe()}"
         kind, dtype, _, seq, numel, _ = got
-        theirs = (f"{_KINDS[kind] if kind < len(_KINDS) else kind} #{seq} of {numel} "
-                  f"{_DTYPES[dtype] if dtype < len(_DTYPES) else dtype}")
+        theirs = f"{name_of(KINDS, kind)} #{seq} of {numel} {name_of(DTYPES, dtype)}"
         return (f"collective mismatch with {peer}: it called {theirs}, this rank called "
                 f"{call.describe()}; every peer must call the same collectives in the same order "
                 "with the same sizes and dtypes")

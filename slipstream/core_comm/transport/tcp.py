@@ -34,21 +34,20 @@ import os
 import socket
 import struct
 import weakref
-from concurrent.futures import Future
 from functools import partial
 from typing import Mapping
 
 import torch
 import torch.distributed as dist
 
-from ._lanes import _DTYPES, TransportError, _connect, _Lanes, _Step, _Work
+from ..ops import COMBINE, DTYPES
+from ..work import Work
+from ._lanes import TransportError, _connect, _Lanes, _Step
 from ._lanes import _listen  # noqa: F401 - reached as transport._listen (tests)
 
 __all__ = ["MultiConnInter", "TransportError", "endpoint_from_env"]
 
 ReduceOp = dist.ReduceOp
-_REDUCE = {ReduceOp.SUM: torch.add, ReduceOp.PRODUCT: torch.mul,
-           ReduceOp.MAX: torch.maximum, ReduceOp.MIN: torch.minimum}
 _SIOCGIFADDR = 0x8915
 # Lanes per step: at most one per 64 KiB. Handing a piece to a lane thread costs more than a
 # small piece gains: splitting over all 4 lanes ran a 16 KiB allreduce at 0.38x the speed of
@@ -90,12 +89,8 @@ def _split(lo: int, hi: int, parts: int) -> list[tuple[int, int]]:
     return [(lo + n * p // parts, lo + n * (p + 1) // parts) for p in range(parts)]
 
 
-def _finished(async_op: bool) -> _Work | None:
-    if not async_op:
-        return None
-    future: Future = Future()
-    future.set_result(None)
-    return _Work(future)
+def _finished(async_op: bool) -> Work | None:
+    return Work.completed() if async_op else None
 
 
 class MultiConnInter:
@@ -108,7 +103,7 @@ class MultiConnInter:
     so that every connection of the job has its own port (the emulated cluster's
     per-connection caps key on ports); without, the kernel picks them.
     ``timeout_s``: a peer that sends or takes nothing for this long raises ``TransportError``.
-    Tensors: contiguous, CPU, of ``_DTYPES``; ops SUM, PRODUCT, MAX, MIN (AVG is the caller's).
+    Tensors: contiguous, CPU, of ``ops.DTYPES``; ops SUM, PRODUCT, MAX, MIN (AVG is the caller's).
     """
 
     __slots__ = ("group", "rank", "size", "connections", "timeout_s", "_lanes", "__weakref__")
@@ -229,16 +224,16 @@ class MultiConnInter:
             if x.device.type != "cpu" or not x.is_contiguous():
                 raise ValueError(f"{kind}: needs contiguous CPU tensors, got {x.device} "
                                  f"{'contiguous' if x.is_contiguous() else 'non-contiguous'}")
-        if t.dtype not in _DTYPES or (other is not None and other.dtype != t.dtype):
+        if t.dtype not in DTYPES or (other is not None and other.dtype != t.dtype):
             raise ValueError(f"{kind}: dtype {t.dtype} (and output {other.dtype if other is not None else '-'}) "
-                             f"not supported: one of {', '.join(map(str, _DTYPES))} for both")
+                             f"not supported: one of {', '.join(map(str, DTYPES))} for both")
         if not sizes_ok:
             raise ValueError(f"{kind}: output of {other.numel()} and input of {t.numel()} elements: one "
                              f"must hold {self.size} (peers) times the other")
-        if op not in _REDUCE:
+        if op not in COMBINE:
             raise ValueError(f"{kind}: op {op} not supported (SUM, PRODUCT, MAX, MIN; AVG is a SUM "
                              "and a division by the caller)")
-        return _REDUCE[op]
+        return COMBINE[op]
 
     def _lanes_for(self, step_bytes: int) -> int:
         """Lanes for a step of ``step_bytes`` (the same on every peer whose call matches; lane 0

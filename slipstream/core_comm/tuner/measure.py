@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from ..communicator import Choice, Communicator
+from ..communicator import Communicator
+from ..routing import Choice
 
 
 class _Fixed:

@@ -11,11 +11,11 @@ from typing import Mapping
 
 import torch
 
-from ..communicator import Choice, Communicator
+from ..._common.cache import versions
 from ..config import CommConfig
+from ..ops import KINDS
+from ..routing import Choice
 
-
-KINDS = ("all_reduce", "reduce_scatter", "all_gather")
 FORMAT = 1  # bump when the cache layout or the meaning of an entry changes
 _ALGORITHMS = ("stock", "shm", "hierarchical")
 
@@ -37,12 +37,12 @@ class TuneKey:
     format: int = FORMAT
 
     @classmethod
-    def of(cls, comm: Communicator) -> "TuneKey":
-        from slipstream import __version__
-
+    def of(cls, comm) -> "TuneKey":
+        """The key of a built ``Communicator``'s topology, with this process's versions."""
         paths = "hierarchical" if comm.hier is not None else "shm" if comm.shm is not None else ""
+        v = versions()
         return cls(world_size=comm.world, node_sizes=tuple(comm.topology.node_sizes), paths=paths,
-                   torch=torch.__version__, slipstream=__version__)
+                   torch=v["torch"], slipstream=v["slipstream"])
 
     def to_json(self) -> dict:
         return {**asdict(self), "node_sizes": list(self.node_sizes)}

@@ -16,7 +16,6 @@ faster by ``margin`` twice, in two separate rounds (see ``Tuner``).
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -29,21 +28,19 @@ from typing import Mapping
 import torch
 import torch.distributed as dist
 
-from .measure import _buffers, _call, _candidates, _Fixed, _has_transport
-from .plan import FORMAT, KINDS, BucketSizes, Entry, TunedPlan, TuneKey, _label
-from ..communicator import Choice, Communicator
+from ..._common.cache import cache_dir, read_json, write_json
+from ..communicator import Communicator
 from ..config import CommConfig
+from ..ops import KINDS
+from ..routing import Choice
+from .measure import _buffers, _call, _candidates, _Fixed, _has_transport
+from .model import _MODEL_BUCKETS, SIZE_CLASSES, _model_choice, model_plan
+from .plan import FORMAT, BucketSizes, Entry, TunedPlan, TuneKey, _label
 
-__all__ = ["BucketSizes", "TuneKey", "TunedPlan", "Tuner", "TunerCacheWarning",
-           "default_cache_dir", "load_plan", "model_plan", "tuned_communicator",
-           "KINDS", "SIZE_CLASSES"]
+__all__ = ["Tuner", "TunerCacheWarning", "default_cache_dir", "load_plan", "tuned_communicator"]
 
 log = logging.getLogger("slipstream.tuner")
 
-SIZE_CLASSES = tuple(4096 << 2 * i for i in range(8))
-"""4 KiB .. 64 MiB in powers of 4: full buffers measured (allreduce's tensor, reduce-scatter's
-input, allgather's output, as ``bench comm``). Entries are keyed by the bytes the communicator
-passes to ``choose``: the same, except allgather's, which is one rank's input."""
 CHUNK_CANDIDATES = (1 << 20, 4 << 20, 16 << 20)
 CONNECTION_CANDIDATES = (1, 4)
 _PRUNE_FROM = 1 << 20  # bytes; see Tuner._pruned
@@ -55,55 +52,7 @@ class TunerCacheWarning(UserWarning):
 
 def default_cache_dir(environ: Mapping[str, str] = os.environ) -> Path:
     """``SLIPSTREAM_TUNER_DIR``, else ``$XDG_CACHE_HOME/slipstream/tuner``, else ``~/.cache/...``."""
-    if environ.get("SLIPSTREAM_TUNER_DIR"):
-        return Path(environ["SLIPSTREAM_TUNER_DIR"])
-    base = environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "slipstream" / "tuner"
-
-
-# ---------------------------------------------------------------------------- cost model
-
-
-def model_plan(key: TuneKey, config: CommConfig) -> TunedPlan:
-    """The built-in choices where nothing was measured. See the thresholds' comments."""
-    entries = [Entry(kind=kind, dtype=None, nbytes=n, choice=choice, source="model")
-               for kind in KINDS for full in SIZE_CLASSES
-               if (n := max(1, full // key.world_size) if kind == "all_gather" else full)
-               and (choice := _model_choice(key, config, kind, n)) is not None]
-    return TunedPlan(key=key, entries=entries, connections=config.connections,
-                     buckets=_MODEL_BUCKETS.get(key.paths, BucketSizes()), source="model")
-
-
-# From `chrt -f 10 slipstream tune --budget 60` on the machine of benchmarks/results/tuner_*.md
-# (2-core KVM guest, load from other users; medians of the slowest rank):
-# - 1 node x 4 ranks: shm beat stock at every size and collective, 4 KiB - 64 MiB (allreduce
-#   0.66 vs 0.91 ms at 4 KiB, 69 vs 76 ms at 64 MiB; allgather 64 MiB 29 vs 114 ms).
-# - 2 nodes x 2 ranks, 1 Gbit/s: stock's one ring beat hierarchical's three phases up to 64 KiB
-#   (allreduce 0.80 vs 1.16 ms at 4 KiB, 0.99 vs 1.51 at 64 KiB; allgather 0.80 vs 1.28 at
-#   64 KiB), tied at 256 KiB (3.09 vs 3.17) and lost above (1 MiB: 11.3 vs 14.4 ms). The
-#   reduce-scatter gap was within noise (4 KiB: 0.83 vs 0.93 ms) and keeps the default. Chunks
-#   of 1 and 16 MiB were within 7% of 4 MiB (64 MiB: 649 / 688 / 698 ms): the default stays.
-_STOCK_BELOW = {"all_reduce": 128 << 10, "all_gather": 128 << 10}  # full-buffer bytes, across nodes
-# Buckets, same runs: the smallest size within 80% of the best bandwidth (1 MiB floor): 1 node
-# allreduce 4 MiB, reduce-scatter 16 MiB, allgather 4 MiB; across the 1 Gbit/s link every
-# collective is link-bound from 1 MiB (allreduce 1 MiB 11.3 ms = 93 MB/s, 64 MiB 96 MB/s).
-# Faster links saturate later: `slipstream tune` measures the real cluster.
-_MODEL_BUCKETS = {
-    "shm": BucketSizes(all_reduce_bytes=4 << 20, reduce_scatter_bytes=16 << 20, all_gather_bytes=4 << 20),
-    "hierarchical": BucketSizes(all_reduce_bytes=1 << 20, reduce_scatter_bytes=1 << 20, all_gather_bytes=1 << 20),
-}
-
-
-def _model_choice(key: TuneKey, config: CommConfig, kind: str, nbytes: int) -> Choice | None:
-    """``nbytes`` as the communicator passes it (allgather: one rank's input)."""
-    if key.paths == "shm":
-        return Choice("shm")
-    if key.paths != "hierarchical":
-        return None
-    full = nbytes * (key.world_size if kind == "all_gather" else 1)
-    if full < _STOCK_BELOW.get(kind, 0):
-        return Choice("stock")
-    return Choice("hierarchical", config.chunk_bytes if kind == "all_reduce" else None)
+    return cache_dir("tuner", "SLIPSTREAM_TUNER_DIR", environ)
 
 
 # ---------------------------------------------------------------------------- cache
@@ -112,8 +61,7 @@ def _model_choice(key: TuneKey, config: CommConfig, kind: str, nbytes: int) -> C
 def _read_cache(path: Path, key: TuneKey) -> dict | None:
     """The cached plan's JSON if valid for ``key``; None (with a warning unless absent)."""
     try:
-        with open(path) as f:
-            data = json.load(f)
+        data = read_json(path)
         TunedPlan.from_json(data)
     except FileNotFoundError:
         return None
@@ -130,11 +78,7 @@ def _read_cache(path: Path, key: TuneKey) -> dict | None:
 
 def _write_cache(path: Path, plan: TunedPlan) -> None:
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        with open(tmp, "w") as f:
-            json.dump(plan.to_json(), f, indent=1)
-        os.replace(tmp, path)  # readers see the old file or the new one, never half of one
+        write_json(path, plan.to_json())
     except OSError as e:
         warnings.warn(f"could not write the tuner cache {path}: {e}", TunerCacheWarning, stacklevel=3)
 

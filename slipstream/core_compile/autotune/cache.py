@@ -12,21 +12,19 @@ import hashlib
 import json
 import os
 import platform
-import sys
 from pathlib import Path
 from typing import Mapping
 
 import torch
+
+from ..._common.cache import cache_dir, read_json, versions, write_json
 
 __all__ = ["cache_key", "default_dir", "load", "store"]
 
 
 def default_dir(environ: Mapping[str, str] = os.environ) -> Path:
     """``SLIPSTREAM_COMPILE_DIR``, else ``$XDG_CACHE_HOME/slipstream/compile``, else ``~/.cache/...``."""
-    if environ.get("SLIPSTREAM_COMPILE_DIR"):
-        return Path(environ["SLIPSTREAM_COMPILE_DIR"])
-    base = environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "slipstream" / "compile"
+    return cache_dir("compile", "SLIPSTREAM_COMPILE_DIR", environ)
 
 
 def _processor() -> str:
@@ -52,8 +50,6 @@ def _signature(value) -> object:
 
 def cache_key(model: torch.nn.Module, args, kwargs, device: torch.device, extra: Mapping = ()) -> dict:
     """Everything the decision depends on, as a JSON-able dict (its hash names the file)."""
-    from ... import __version__
-
     structure = [f"{name}:{type(m).__name__}" for name, m in model.named_modules()]
     params = [f"{name}:{list(p.shape)}:{p.dtype}:{p.requires_grad}" for name, p in model.named_parameters()]
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else _processor()
@@ -62,9 +58,7 @@ def cache_key(model: torch.nn.Module, args, kwargs, device: torch.device, extra:
         "model_class": type(model).__name__,
         "inputs": _signature([args, kwargs]),
         "device": f"{device.type}: {device_name}",
-        "torch": torch.__version__,
-        "python": sys.version.split()[0],
-        "slipstream": __version__,
+        **versions(),
         **dict(extra),
     }
 
@@ -77,8 +71,7 @@ def _path(directory: Path, key: dict) -> Path:
 def load(directory: Path, key: dict) -> dict | None:
     """The stored decision for ``key``, or None (none stored, unreadable, or for another key)."""
     try:
-        with open(_path(directory, key), encoding="utf-8") as f:
-            entry = json.load(f)
+        entry = read_json(_path(directory, key))
     except (OSError, ValueError):
         return None
     return entry if isinstance(entry, dict) and entry.get("key") == key else None
@@ -88,11 +81,7 @@ def store(directory: Path, key: dict, decision: dict) -> Path | None:
     """Write atomically; a cache that cannot be written is skipped (returns None)."""
     path = _path(directory, key)
     try:
-        directory.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".tmp{os.getpid()}")
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump({"key": key, **decision}, f, indent=1, sort_keys=True)
-        os.replace(tmp, path)
+        write_json(path, {"key": key, **decision})
     except OSError:
         return None
     return path

@@ -5,6 +5,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, field
 
+from ..._common.settings import Settings
 from . import strategy
 
 __all__ = ["Candidate", "CompileConfig", "CompileFallbackWarning", "CompileReport"]
@@ -15,7 +16,7 @@ class CompileFallbackWarning(UserWarning):
 
 
 @dataclass(kw_only=True, frozen=True)
-class CompileConfig:
+class CompileConfig(Settings):
     enabled: bool = True
     """False: the model runs as it is (the stacks' ``"compile": {"enabled": false}``)."""
     strategies: tuple | None = None

@@ -30,6 +30,7 @@ from typing import Any, Iterator
 
 import torch
 
+from ..._common.settings import Settings
 from .attention import BACKENDS, VarlenContext, varlen_attention
 from .fuse import fuse_layers, unfuse_layers
 from .packing import PackedBatch
@@ -45,7 +46,7 @@ _GENERATION_ARGS = ("past_key_values", "use_cache", "output_attentions", "output
 
 
 @dataclass(kw_only=True, frozen=True)
-class VarlenConfig:
+class VarlenConfig(Settings):
     """How the varlen pass runs."""
 
     backend: str = "auto"

@@ -31,7 +31,7 @@ import os
 
 from .._adapter import compile_model
 from ..._common.patch import patch, unpatch
-from ..._status import note_stack, warn_once
+from ..._common.record import note_stack, warn_once
 
 __all__ = ["install", "uninstall", "Accelerator"]
 
@@ -48,10 +48,10 @@ def install() -> None:
 
     @functools.wraps(original_prepare)
     def fsdp2_prepare_model(accelerator, model):
-        from ...config import config_from_env
+        from ..config import SlipstreamConfig
         from ..fsdp.fsdp2 import apply
 
-        settings = config_from_env()  # SLIPSTREAM_CONFIG: the one config, read where it applies
+        settings = SlipstreamConfig.from_env()  # SLIPSTREAM_CONFIG: the one config, read where it applies
         if settings is not None and not settings.enabled:
             note_stack("accelerate", engaged=False, why="SLIPSTREAM_CONFIG says enabled: false")
             return original_prepare(accelerator, model)

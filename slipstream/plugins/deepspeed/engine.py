@@ -14,7 +14,8 @@ import json
 import logging
 import os
 
-from ..._status import announce, deferred, note_stack, warn_once
+from ..._common import record
+from ..._common.record import deferred, note_stack, warn_once
 from .._adapter import apply_job_effects, compile_model, read_config, undo_job_effects
 from ..._common.patch import patch, unpatch
 from .comm_backend import install_comm
@@ -105,17 +106,15 @@ def _set_up(original, args, kwargs):
                collectives="deepspeed.comm through the core", gradient_buckets_to_owners=bool(owners),
                varlen=settings.varlen is not None, compile=compiled)
     backend.communicator(None)  # built now (every rank is here) so that the line names its paths
-    announce(by_adapter=True)
+    record.start(by_adapter=True)
     return result
 
 
 def _left_stock(section) -> None:
-    from ...switch import is_enabled
-
     why = ("no \"slipstream\" section in the DeepSpeed config" if section is None
            else "the section says \"enabled\": false")
     note_stack("deepspeed", engaged=False, why=why)
-    if is_enabled() and section is None:
+    if record.switch.on and section is None:
         warn_once("slipstream is on, but this DeepSpeed config has no \"slipstream\" section: DeepSpeed "
                   "runs stock. Add \"slipstream\": {\"enabled\": true} to the config to route ZeRO's "
                   "collectives through slipstream.")

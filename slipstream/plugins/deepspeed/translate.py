@@ -3,7 +3,7 @@ undoes what ``engine.backward`` does. No DeepSpeed import: pure translation."""
 
 from __future__ import annotations
 
-from ...core_comm.tuner.tuner import BucketSizes
+from ...core_comm.tuner import BucketSizes
 from ...core_compile.varlen.loss import GradReduction
 
 __all__ = ["grad_reduction", "zero_buckets"]

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from ...core_comm import pool
 from ...core_comm.config import CommConfig
-from ..._status import note_stack, warn_once
+from ..._common.record import note_stack, warn_once
 from ..._common.patch import patch, unpatch
 
 __all__ = ["apply", "remove", "SlipstreamAllGather", "SlipstreamReduceScatter", "is_applied"]
@@ -46,14 +46,6 @@ def _api():
     return FSDPModule, AllGather, ReduceScatter
 
 
-def _work(work, outputs: list):
-    """The core's async handle as a ``torch.distributed.Work``, as FSDP waits on."""
-    from ...core_comm.backend.process_group import _FutureWork
-    from ...core_comm.communicator import as_torch_future
-
-    return _FutureWork(as_torch_future(work, outputs))
-
-
 @functools.cache
 def _classes():
     _, AllGather, ReduceScatter = _api()
@@ -70,7 +62,7 @@ def _classes():
         def __call__(self, output_tensor, input_tensor, group, async_op=False):
             comm = pool.get(group, config=self.config)
             work = comm.all_gather(output_tensor, input_tensor, async_op=async_op)
-            return _work(work, [output_tensor]) if async_op else None
+            return work.returning([output_tensor]) if async_op else None
 
     class SlipstreamReduceScatter(ReduceScatter):
         """FSDP2's gradient reduce-scatter (AVG, SUM, PREMUL_SUM) through the core."""
@@ -84,7 +76,7 @@ def _classes():
         def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
             comm = pool.get(group, config=self.config)
             work = comm.reduce_scatter(output_tensor, input_tensor, op, async_op=async_op)
-            return _work(work, [output_tensor]) if async_op else None
+            return work.returning([output_tensor]) if async_op else None
 
     return SlipstreamAllGather, SlipstreamReduceScatter
 
@@ -196,7 +188,7 @@ class _DistView:
         if entry is None:
             return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
         work = pool.get(group, config=entry[1]).all_reduce(tensor, op, async_op=async_op)
-        return _work(work, [tensor]) if async_op else None
+        return work.returning([tensor]) if async_op else None
 
 
 _HSDP = _HsdpAllReduce()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ...core_comm.tuner.tuner import BucketSizes
+from ...core_comm.tuner import BucketSizes
 from ...core_compile.varlen.loss import GradReduction
 
 __all__ = ["grad_reduction", "wrap_policy_kwargs"]

@@ -7,8 +7,9 @@ from .adapter import (
     chain,
     disable_compile,
     enable_compile,
-    initialize,
     install,
+    name_backend,
+    read_arguments,
     process_groups,
     restore_process_groups,
     uninstall,
@@ -16,7 +17,7 @@ from .adapter import (
 from .packed import disable_packed_attention, enable_packed_attention, local_spec, pack_batch, packed_attention
 
 __all__ = ["PackedDotProductAttention", "add_arguments", "chain", "disable_compile", "disable_packed_attention",
-           "enable_compile", "enable_packed_attention", "initialize", "install", "local_spec", "pack_batch",
+           "enable_compile", "enable_packed_attention", "install", "name_backend", "read_arguments", "local_spec", "pack_batch",
            "packed_attention", "process_groups", "restore_process_groups", "uninstall"]
 
 

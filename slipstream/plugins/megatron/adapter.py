@@ -10,7 +10,8 @@ Three ways in, for the three ways Megatron users start:
   slipstream, and warns naming the group when one is not.
 - Megatron-LM users: ``add_arguments`` as (or chained into) ``extra_args_provider`` adds
   ``--slipstream``, ``--slipstream-varlen`` (packed sequences for the local attention, see
-  ``packed.py``), ``--slipstream-compile`` and ``--slipstream-config PATH``; ``initialize(args)``
+  ``packed.py``), ``--slipstream-compile`` and ``--slipstream-config PATH``; ``read_arguments(args)``
+  (through ``slipstream.megatron.initialize(args)``)
   acts on them before Megatron initialises torch.distributed (the backend Megatron-LM names
   becomes ``slipstream`` for CPU tensors; CUDA keeps NCCL).
 - compile: Megatron-LM builds and wraps the model inside ``pretrain``, out of the user's reach.
@@ -32,13 +33,18 @@ import argparse
 import functools
 import logging
 
+from typing import TYPE_CHECKING
+
 import torch.distributed as dist
 
-from ..._status import note_stack, warn_once
+from ..._common.record import note_stack, warn_once
 from ..._common.patch import is_patched, patch, unpatch
 
-__all__ = ["add_arguments", "chain", "disable_compile", "enable_compile", "initialize", "install", "process_groups",
-           "restore_process_groups", "uninstall"]
+if TYPE_CHECKING:
+    from ..config import SlipstreamConfig
+
+__all__ = ["add_arguments", "chain", "disable_compile", "enable_compile", "install", "name_backend", "process_groups",
+           "read_arguments", "restore_process_groups", "uninstall"]
 
 log = logging.getLogger("slipstream.megatron")
 _OWNER = "megatron"
@@ -77,10 +83,12 @@ def chain(*providers):
     return provider
 
 
-def initialize(args: argparse.Namespace) -> bool:
-    """Act on the parsed flags before Megatron initialises torch.distributed. Returns whether
-    slipstream's collectives are on. A bad ``--slipstream-config`` is refused naming the flag
-    and the file."""
+def read_arguments(args: argparse.Namespace) -> tuple[bool, "SlipstreamConfig | None"]:
+    """Act on the parsed flags that need no collective (``--slipstream-varlen``,
+    ``--slipstream-compile``), and return whether slipstream's collectives are asked for
+    (``--slipstream``) with the settings of ``--slipstream-config`` (None without it). A bad
+    ``--slipstream-config`` is refused naming the flag and the file. ``slipstream.megatron
+    .initialize`` is the entry point: it turns the collectives on as well."""
     if getattr(args, "slipstream_varlen", False):  # compute only: it needs no collective
         from .packed import enable_packed_attention
 
@@ -92,10 +100,10 @@ def initialize(args: argparse.Namespace) -> bool:
     if getattr(args, "slipstream_config", None):
         if not (on or compiling):
             raise ValueError("--slipstream-config needs --slipstream or --slipstream-compile")
-        from ...config import load_config_file
+        from ..config import SlipstreamConfig
 
         try:
-            settings = load_config_file(args.slipstream_config)
+            settings = SlipstreamConfig.from_file(args.slipstream_config)
         except ValueError as e:
             raise ValueError(f"--slipstream-config: {e}") from None
     compile_config = settings.compile if settings is not None else None
@@ -107,17 +115,17 @@ def initialize(args: argparse.Namespace) -> bool:
         compile_config = dataclasses.replace(compile_config or CompileConfig(), enabled=True)
     if compile_config is not None and compile_config.enabled:
         enable_compile(compile_config)
-    if not on:
-        return False
-    from ...switch import enable
+    return on, settings
 
-    enable(settings.comm if settings is not None else None)
+
+def name_backend(args: argparse.Namespace) -> None:
+    """The backend Megatron-LM will initialise torch.distributed with: ``slipstream`` for CPU
+    tensors (CUDA keeps NCCL)."""
     backend = getattr(args, "distributed_backend", None)
     if backend in (None, "gloo"):
         args.distributed_backend = "slipstream"
     elif backend == "nccl":
         args.distributed_backend = "cpu:slipstream,cuda:nccl"
-    return True
 
 
 # ------------------------------------------------------------------ compile
@@ -233,7 +241,6 @@ def process_groups():
     """A ``ProcessGroupCollection`` of parallel_state's groups on slipstream (collective over
     each group's members), and parallel_state's getters for them answering the same twins
     (reversible: ``restore_process_groups``). Needs ``initialize_model_parallel`` first."""
-    import slipstream  # noqa: F401 - registers the backend
     from megatron.core import parallel_state
     from megatron.core.process_groups_config import ProcessGroupCollection
 

@@ -1,0 +1,104 @@
+"""What slipstream did in this process, as the parts that did it record it: which stacks an
+adapter engaged (or left stock, and why), the warnings given, and the switch (who turned
+slipstream on). ``slipstream.status()`` reads it; the start line is printed by a listener the
+api registers (``on_start``), so that no lower layer calls up to print.
+
+While an adapter sets a job up (``deferred()``), communicators built on the way do not start
+the job; the adapter calls ``start(by_adapter=True)`` when done, so the line names its work.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from typing import Any, Callable
+
+__all__ = ["deferred", "note_stack", "on_start", "stacks", "start", "switch", "warn_once", "warnings"]
+
+log = logging.getLogger("slipstream")
+
+
+class Switch:
+    """Who turned slipstream on in this process (``enable()``, ``SLIPSTREAM=1``); empty: off."""
+
+    __slots__ = ("source",)
+
+    def __init__(self) -> None:
+        self.source = ""
+
+    @property
+    def on(self) -> bool:
+        return bool(self.source)
+
+
+class _Record:
+    __slots__ = ("stacks", "warnings", "started", "deferred", "listeners", "lock")
+
+    def __init__(self) -> None:
+        self.stacks: dict[str, dict] = {}
+        self.warnings: list[str] = []
+        self.started = False
+        self.deferred = 0  # > 0 while an adapter sets a job up
+        self.listeners: list[Callable[[], None]] = []
+        self.lock = threading.Lock()
+
+
+_RECORD = _Record()
+switch = Switch()
+
+
+def note_stack(name: str, **facts: Any) -> None:
+    """An adapter records what it did (or why it left its stack stock)."""
+    with _RECORD.lock:
+        _RECORD.stacks[name] = dict(facts)
+
+
+def stacks() -> dict[str, dict]:
+    with _RECORD.lock:
+        return {k: dict(v) for k, v in _RECORD.stacks.items()}
+
+
+def warn_once(message: str) -> None:
+    """A warning, once per process, kept for ``status()``."""
+    with _RECORD.lock:
+        if message in _RECORD.warnings:
+            return
+        _RECORD.warnings.append(message)
+    log.warning("slipstream: %s", message)
+
+
+def warnings() -> list[str]:
+    with _RECORD.lock:
+        return list(_RECORD.warnings)
+
+
+def on_start(listener: Callable[[], None]) -> None:
+    """Call ``listener()`` once, when a job first uses slipstream (idempotent per listener)."""
+    with _RECORD.lock:
+        if listener not in _RECORD.listeners:
+            _RECORD.listeners.append(listener)
+
+
+def start(*, by_adapter: bool = False) -> None:
+    """A job uses slipstream now (a communicator was built, or an adapter finished setting the
+    job up): the listeners run, once per process."""
+    with _RECORD.lock:
+        if _RECORD.started or (_RECORD.deferred and not by_adapter):
+            return
+        _RECORD.started = True
+        listeners = list(_RECORD.listeners)
+    for listener in listeners:
+        listener()
+
+
+@contextlib.contextmanager
+def deferred():
+    """While an adapter sets a job up, communicators it builds do not start the job."""
+    with _RECORD.lock:
+        _RECORD.deferred += 1
+    try:
+        yield
+    finally:
+        with _RECORD.lock:
+            _RECORD.deferred -= 1

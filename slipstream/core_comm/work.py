@@ -1,0 +1,142 @@
+"""``Work``: the one handle of the core's asynchronous calls.
+
+It is a ``torch.distributed.Work``, so torch and the stacks wait on it as on gloo's own: DDP's
+reducer takes its ``get_future()``, FSDP2's prefetch calls ``wait()``, the backend returns it
+from ``all_reduce(..., async_op=True)``. Its completion comes from one of:
+
+- a ``concurrent.futures.Future`` that a thread completes (the communicator's worker, the TCP
+  transport's lanes);
+- a stock collective's ``dist.Work`` (``Work.after``);
+- a ``finish`` step that runs on the first ``wait()``, on the waiting thread: the hierarchical
+  pipeline's inter-node exchanges, whose reduction runs where the pipeline waits for them.
+
+``get_future()`` is a ``torch.futures.Future`` whose value is the call's ``result`` (the output
+tensors, for the backend; the bucket, for DDP), failed with the call's error if it failed.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Work"]
+
+
+class Work(dist.Work):
+    """Handle of one asynchronous call; see the module docstring."""
+
+    def __init__(self, future: Future | None = None, *, finish: Callable[[], Any] | None = None,
+                 result: Any = None) -> None:
+        super().__init__()
+        if (future is None) == (finish is None):
+            raise ValueError("a Work completes from a future or from a finish step, one of the two")
+        self._future = future
+        self._finish = finish
+        self._result = result
+        self._lock = threading.Lock() if finish is not None else None
+
+    @classmethod
+    def completed(cls, result: Any = None) -> "Work":
+        future: Future = Future()
+        future.set_result(None)
+        return cls(future, result=result)
+
+    @classmethod
+    def after(cls, work, then: Callable[[], Any] | None = None, *, result: Any = None) -> "Work":
+        """Completes once ``work`` (a ``Work`` or a stock collective's ``dist.Work``) has, and
+        ``then()`` has run after it; an error of either is this Work's error."""
+        done: Future = Future()
+
+        def finish(error: BaseException | None) -> None:
+            try:
+                if error is not None:
+                    raise error
+                if then is not None:
+                    then()
+            except BaseException as e:  # noqa: BLE001 - handed to whoever waits
+                done.set_exception(e)
+            else:
+                done.set_result(None)
+
+        if isinstance(work, Work):
+            if work._future is None:
+                raise TypeError("Work.after needs a Work that completes by itself, not on wait()")
+            work._future.add_done_callback(lambda f: finish(f.exception()))
+            return cls(done, result=result)
+
+        def stock_done(fut) -> None:
+            try:
+                fut.wait()
+            except BaseException as e:  # noqa: BLE001
+                finish(e)
+            else:
+                finish(None)
+
+        work.get_future().add_done_callback(stock_done)
+        return cls(done, result=result)
+
+    def returning(self, result: Any) -> "Work":
+        """The same completion, with ``result`` as its future's value."""
+        if self._future is not None:
+            return Work(self._future, result=result)
+        return Work(finish=self.wait, result=result)
+
+    # ---------------------------------------------------------------- torch's Work
+
+    def wait(self, timeout=None) -> bool:
+        """Block until done and raise the call's error. ``timeout`` (seconds or a timedelta;
+        zero or None: none) raises ``TimeoutError`` when it runs out first."""
+        seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
+        if self._future is not None:
+            self._future.result(timeout=seconds or None)
+            return True
+        with self._lock:
+            if self._finish is not None:
+                finish, self._finish = self._finish, None
+                future: Future = Future()
+                try:
+                    finish()
+                except BaseException as e:  # noqa: BLE001 - kept for every later wait
+                    future.set_exception(e)
+                else:
+                    future.set_result(None)
+                self._future = future
+        self._future.result()
+        return True
+
+    def is_completed(self) -> bool:
+        return self._future is not None and self._future.done()
+
+    def is_success(self) -> bool:
+        return self.is_completed() and self._future.exception() is None
+
+    def exception(self):
+        return self._future.exception() if self.is_completed() else None
+
+    def get_future(self) -> torch.futures.Future:
+        """A torch future of ``result``, failed with the call's error."""
+        if self._future is None:
+            self.wait()
+        result: torch.futures.Future = torch.futures.Future()
+
+        def done(cf) -> None:
+            error = cf.exception()
+            if error is not None:
+                result.set_exception(error)
+            else:
+                result.set_result(self._result)
+
+        self._future.add_done_callback(done)
+        # torch's set_exception completes the future *successfully* with the exception object as
+        # its value (only Python's value() re-raises it; C++ readers such as DDP's reducer take it
+        # for a tensor). Re-raising inside a callback marks the chained future failed for all.
+        return result.then(_value_or_raise)
+
+
+def _value_or_raise(fut: torch.futures.Future):
+    return fut.value()
