@@ -1,7 +1,7 @@
-"""Where users already train, with no code change: the README's stack snippets run as written
-(the user's DeepSpeed config plus the "slipstream" section, their unchanged scripts under
-``examples/``), ``SLIPSTREAM=1`` for a DDP script, ``SLIPSTREAM_AUTOLOAD=0`` to keep stock,
-and the start-up hook that makes it possible."""
+"""Where users already train, with no code change: the stack snippets of the README and of the
+pages under docs/ run as written (the user's DeepSpeed config plus the "slipstream" section,
+their unchanged scripts under ``examples/``), ``SLIPSTREAM=1`` for a DDP script,
+``SLIPSTREAM_AUTOLOAD=0`` to keep stock, and the start-up hook that makes it possible."""
 
 from __future__ import annotations
 
@@ -16,9 +16,12 @@ import pytest
 
 import slipstream  # noqa: F401 - registers the backend (the ranks of run_ranks import this module)
 from _dist import free_port, run_ranks
+from _docs import ROOT, configs_for, marked_configs
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-README = os.path.join(ROOT, "README.md")
+STACK_SCRIPTS = ("examples/deepspeed_train.py", "examples/trainer.py", "examples/trl_sft.py")
+# Where each marked config is shown: a snippet that disappears (or a marker that stops matching)
+# fails the test below instead of leaving fewer configs to run.
+MARKED = {"README.md": {"examples/deepspeed_train.py"}, "docs/deepspeed.md": set(STACK_SCRIPTS)}
 
 
 def _hook_installed() -> bool:
@@ -35,14 +38,6 @@ def _env(**extra) -> dict:
 
 needs_hook = pytest.mark.skipif(not _hook_installed(), reason="slipstream's start-up hook is not installed "
                                 "in this environment (pip install . or -e . installs it)")
-
-
-def readme_configs() -> dict[str, dict]:
-    """The README's JSON blocks marked ``<!-- run: examples/SCRIPT.py -->``, by script."""
-    with open(README) as f:
-        text = f.read()
-    found = re.findall(r"<!-- run: (\S+) -->\s*```json\n(.*?)```", text, re.S)
-    return {script: json.loads(block) for script, block in found}
 
 
 def _torchrun(tmp_path, script: str, config: dict, name: str, **env) -> subprocess.CompletedProcess:
@@ -83,17 +78,28 @@ def _start_line(out: subprocess.CompletedProcess) -> str | None:
     return lines[0] if lines else None
 
 
-def test_the_readme_marks_a_config_for_each_stack():
-    assert set(readme_configs()) == {"examples/deepspeed_train.py", "examples/trainer.py", "examples/trl_sft.py"}
+def test_the_readme_and_docs_mark_a_config_for_each_stack():
+    by_page: dict[str, set] = {}
+    for m in marked_configs():
+        by_page.setdefault(m.page, set()).add(m.script)
+        assert os.path.isfile(os.path.join(ROOT, m.script)), f"{m.page} marks a config for {m.script}: no such script"
+    assert by_page == MARKED
 
 
 @needs_hook
-@pytest.mark.parametrize("script", ["examples/deepspeed_train.py", "examples/trainer.py", "examples/trl_sft.py"])
+@pytest.mark.parametrize("script", STACK_SCRIPTS)
 def test_the_config_section_alone_turns_slipstream_on_with_stock_losses(tmp_path, script):
     if script.endswith("trl_sft.py"):
         pytest.importorskip("trl")
     pytest.importorskip("deepspeed")
-    config = readme_configs()[script]
+    configs = configs_for(script)
+    assert configs, f"no config marked for {script} in README.md or docs/*.md"
+    for i, config in enumerate(configs):
+        _check_config_section(tmp_path / str(i), script, config)
+
+
+def _check_config_section(tmp_path, script: str, config: dict) -> None:
+    tmp_path.mkdir()
     assert config["slipstream"]["enabled"] is True
     stock = {k: v for k, v in config.items() if k != "slipstream"}
     ours = _torchrun(tmp_path, script, config, "ours")
