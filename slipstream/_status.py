@@ -22,6 +22,8 @@ from ._common import patch, record
 from ._common.settings import parse_bool
 from ._common.version import __version__
 from .core_comm import counters, pool
+from .core_comm.backend.registry import registered_config
+from .core_comm.config import CommConfig
 from .core_comm.groups import group_ranks
 
 __all__ = ["announce", "line", "status"]
@@ -43,6 +45,7 @@ def status() -> dict:
                                                        if v.get("engaged")) or named,
         "autoload": _autoload(),
         "default_cpu_backend": dist.Backend.default_device_backend_map.get("cpu"),
+        "comm_settings": _comm_settings(),
         "world_backend": world,
         "stacks": stacks,
         "groups": groups,
@@ -100,6 +103,15 @@ def _describe(group, comm) -> dict:
     return {"ranks": group_ranks(comm.group), "nodes": topo.num_nodes, "ranks_per_node": topo.local_size,
             "paths": paths, "stock_because": comm.unavailable or None,
             "plan": getattr(comm.plan, "source", None), "config": comm.config.to_dict()}
+
+
+def _comm_settings() -> dict | str:
+    """The settings a slipstream group created now gets: ``enable(config)``'s, else the
+    environment's (``CommConfig.from_env``: the ``SLIPSTREAM_CONFIG`` file, ``SLIPSTREAM_*``)."""
+    try:
+        return (registered_config() or CommConfig.from_env()).to_dict()
+    except ValueError as e:  # a bad setting: groups will refuse it by name
+        return f"invalid: {e}"
 
 
 def _autoload() -> str:

@@ -36,10 +36,13 @@ MARKER = "__slipstream_patch__"
 @dataclass(frozen=True, eq=False)
 class _Entry:
     ref: Callable[[], Any]
-    """The target (a weak reference where the target allows one); None for a ``change``."""
+    """The target (a weak reference where the target allows one)."""
     name: str
     original: Any
-    replacement: Any
+    """The attribute before the patch; None where it was inherited (the undo deletes)."""
+    replacement: Callable[[], Any]
+    """The replacement (weakly where the target's own ``__dict__`` holds it: an instance's
+    patch must not keep the instance alive through the registry)."""
     owned: bool
     """Whether ``name`` was in the target's own ``__dict__`` (else it was inherited)."""
     owner: str
@@ -59,6 +62,13 @@ def _reference(target, key) -> Callable[[], Any]:
         return weakref.ref(target, lambda ref: _drop(key, ref))
     except TypeError:  # modules and classes take weak references; a few builtins do not
         return lambda: target
+
+
+def _weakly(value) -> Callable[[], Any]:
+    try:
+        return weakref.ref(value)
+    except TypeError:
+        return lambda: value
 
 
 def _drop(key, ref) -> None:
@@ -84,7 +94,9 @@ def patch(target, name: str, replacement, *, owner: str) -> bool:
         setattr(target, name, replacement)
         key = (id(target), name)
         where = getattr(target, "__name__", None) or type(target).__name__
-        _LIVE[key] = _Entry(_reference(target, key), name, original, replacement, owned, owner, f"{where}.{name}")
+        held = _weakly(replacement) if not owned else (lambda: replacement)
+        _LIVE[key] = _Entry(_reference(target, key), name, original if owned else None, held, owned, owner,
+                            f"{where}.{name}")
         return True
 
 
@@ -105,16 +117,18 @@ def unpatch(target, name: str) -> bool:
 
 def is_patched(target, name: str) -> bool:
     found = _LIVE.get((id(target), name))
-    return found is not None and found.ref() is target and getattr(target, name, None) is found.replacement
+    return found is not None and found.ref() is target and getattr(target, name, None) is found.replacement()
 
 
-def change(key: Hashable, what: str, undo: Callable[[], None], *, owner: str) -> bool:
+def change(key: Hashable, what: str, undo: Callable[[], None], *, owner: str, target=None) -> bool:
     """Record a change made another way, which ``undo()`` reverts; False when ``key`` is
-    recorded already (the first record, and its undo, stay)."""
+    recorded already (the first record, and its undo, stay). With ``target`` (a model the
+    change is on), the record leaves with the target, which it does not keep alive."""
     with _LOCK:
         if ("change", key) in _LIVE:
             return False
-        _LIVE["change", key] = _Entry(lambda: None, "", None, None, False, owner, what, undo)
+        ref = _reference(target, ("change", key)) if target is not None else (lambda: None)
+        _LIVE["change", key] = _Entry(ref, "", None, lambda: None, False, owner, what, undo)
         return True
 
 

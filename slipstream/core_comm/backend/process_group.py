@@ -25,12 +25,11 @@ the stock path, or CUDA tensors where NCCL exists. Ops: SUM, AVG, PREMUL_SUM, PR
 MIN as the routing rule allows. Each call is counted under the path it took
 (``core_comm.counters``).
 
-The communicator comes from the core's pool (``pool.get(group)``) and runs over a gloo "twin"
-of the group's ranks, built on the first call that can use it (a collective: every rank of
-the group makes that call). Its own
-collectives (topology exchange, node subgroups) therefore run on gloo groups and never come
-back here. Subgroups made with ``new_group(backend=None)`` on a slipstream default group are
-slipstream groups themselves, each with its own twin, built by its members only.
+The communicator comes from the core's pool (``pool.get(group)``) and runs over a gloo group
+of the same ranks (``core_spec``), built on the first call that can use it (a collective: every
+rank of the group makes that call). Its own collectives (topology exchange, node subgroups)
+therefore run on gloo groups and never come back here. Subgroups made with ``new_group(backend=None)`` on a slipstream default group are
+slipstream groups themselves, each with its own gloo group, built by its members only.
 
 Async calls (``async_op=True``, and DDP's bucket allreduce) run on the communicator's worker
 thread and return a ``Work`` made from a ``torch.futures.Future`` whose value is the list of

@@ -13,7 +13,7 @@ and optimizer included. The search, on the user's own batches:
 
 1. the first step runs eagerly, and ``torch._dynamo.explain`` lists the graph breaks;
 2. from the second step (by then it is known whether the batches change shape: if they do,
-   static graphs are skipped and the default shape policy is measured as its dynamic twin),
+   static graphs are skipped and the default shape policy is measured as its dynamic variant),
    each candidate (``strategy.candidates``) is compiled and checked against eager on the
    step's batch (``check.compare``: loss and gradients), then runs ``warmup_steps`` steps;
    the candidates measured stop when ``budget_s`` is spent;
@@ -42,7 +42,10 @@ from pathlib import Path
 
 import torch
 
-from . import check, cache as compile_cache, diagnose, strategy
+from ..._common.patch import patch, unpatch
+from . import cache as compile_cache
+from . import check, diagnose, strategy
+from .agree import agree, agree_max, rank
 from .config import Candidate, CompileConfig, CompileFallbackWarning, CompileReport
 
 __all__ = ["compile", "compile_report", "uncompile"]
@@ -94,7 +97,6 @@ class Autotuner:
 
     def __init__(self, module: torch.nn.Module, config: CompileConfig, group) -> None:
         self.module, self.config, self.group = module, config, group
-        self.previous = vars(module).get("forward")  # someone else's wrapper, kept and restored
         self.eager = module.forward
         self.report = CompileReport(module=type(module).__name__)
         self.phase = "start"
@@ -192,11 +194,11 @@ class Autotuner:
             if why:
                 self.by_name[s.name].status, self.by_name[s.name].reason = "skipped", why
                 continue
-            if self._agree(time.perf_counter() - self.search_start) > self.config.budget_s:
+            if agree_max(self.group, time.perf_counter() - self.search_start) > self.config.budget_s:
                 self._skip_pending(s, f"search budget of {self.config.budget_s:g} s spent")
                 break
             ok = self._try(s, args, kwargs)
-            if self._agree(0.0 if ok else 1.0) == 0.0:
+            if agree_max(self.group, 0.0 if ok else 1.0) == 0.0:
                 self.survivors.append(s.name)
                 self.warm_left = self.config.warmup_steps
                 self.active = s.name
@@ -216,19 +218,19 @@ class Autotuner:
     def _shape_policy_skip(self, s: strategy.Strategy) -> str | None:
         """Why ``s`` is not worth measuring given whether the batches have changed shape so far
         (the ranks agree), or None: dynamic variants only when they have; when they have,
-        no static graph (it recompiles at every shape), and no default one whose dynamic twin
-        is still to come (the default recompiles once, into that twin)."""
-        twin = next((p for p in self.pending if p.dynamic and (p.scope, p.mode) == (s.scope, s.mode)), None)
-        if not (s.dynamic or s.dynamic is False or twin):
+        no static graph (it recompiles at every shape), and no default one whose dynamic variant
+        is still to come (the default recompiles once, into that variant)."""
+        variant = next((p for p in self.pending if p.dynamic and (p.scope, p.mode) == (s.scope, s.mode)), None)
+        if not (s.dynamic or s.dynamic is False or variant):
             return None
-        varied = bool(self._agree(float(self.shapes_vary)))
+        varied = bool(agree_max(self.group, float(self.shapes_vary)))
         if s.dynamic:
             return None if varied else "batch shapes did not change"
         if not varied:
             return None
         if s.dynamic is False:
             return "batch shapes change: a static graph recompiles at each"
-        return f"batch shapes change: measured as {twin.name}, the graph it recompiles into"
+        return f"batch shapes change: measured as {variant.name}, the graph it recompiles into"
 
     def _try(self, s: strategy.Strategy, args, kwargs) -> bool:
         """Compile ``s`` and check it against eager on this batch."""
@@ -256,7 +258,7 @@ class Autotuner:
         rounds = len(self.by_name["eager"].step_s)
         if rounds < 2 or any(len(self.by_name[n].step_s) != rounds for n in self.survivors):
             return
-        best = self._agree_all([min(self.by_name[n].step_s) for n in self.survivors], mean=True)
+        best = agree(self.group, [min(self.by_name[n].step_s) for n in self.survivors], mean=True)
         eager = best[self.survivors.index("eager")]
         for name, b in list(zip(self.survivors, best)):
             if name != "eager" and b > PRUNE_FACTOR * eager:
@@ -278,7 +280,7 @@ class Autotuner:
     def _decide(self) -> None:
         names = [c.name for c in self.report.candidates]
         medians = [self.by_name[n].median() for n in names]  # infinite where never timed
-        agreed = self._agree_all(medians, mean=True)  # every rank decides on the ranks' mean
+        agreed = agree(self.group, medians, mean=True)  # every rank decides on the ranks' mean
         for n, score in zip(names, agreed):
             self.by_name[n].score = score
         eager = agreed[names.index("eager")]
@@ -295,7 +297,7 @@ class Autotuner:
         self._say()
 
     def _say(self) -> None:
-        if self.config.verbose and self._rank() == 0:
+        if self.config.verbose and rank() == 0:
             print(self.report.table(), file=sys.stderr, flush=True)
 
     def _choose(self, name: str) -> None:
@@ -387,27 +389,6 @@ class Autotuner:
                 if applied is not None:
                     applied.deactivate()
 
-    def _rank(self) -> int:
-        import torch.distributed as dist
-
-        return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-    def _agree(self, value: float) -> float:
-        return self._agree_all([value])[0]
-
-    def _agree_all(self, values: list, mean: bool = False) -> list:
-        """The maximum (or the mean) over the ranks of each value (one all-reduce; no-op on one
-        process). An infinite value (not measured) stays infinite either way."""
-        import torch.distributed as dist
-
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(self.group) == 1:
-            return list(values)
-        t = torch.tensor(values, dtype=torch.float64)
-        if "nccl" in dist.get_backend_config(self.group):
-            t = t.cuda()
-        dist.all_reduce(t, op=dist.ReduceOp.SUM if mean else dist.ReduceOp.MAX, group=self.group)
-        return (t / dist.get_world_size(self.group) if mean else t).cpu().tolist()
-
 
 def compile(model: torch.nn.Module, example=None, *, config: CompileConfig | None = None, group=None) -> torch.nn.Module:
     """Tune ``model``'s forward by measurement on its first training steps (module docstring).
@@ -427,7 +408,7 @@ def compile(model: torch.nn.Module, example=None, *, config: CompileConfig | Non
     if example is not None and config.graph_breaks:
         args, kwargs = (((), dict(example)) if isinstance(example, dict) else (tuple(example) if isinstance(example, (tuple, list)) else (example,), {}))
         tuner._graph_breaks(args, kwargs)
-    module.forward = tuner
+    patch(module, "forward", tuner, owner="compile")
     return model
 
 
@@ -449,7 +430,4 @@ def uncompile(model: torch.nn.Module) -> None:
         return
     for applied in tuner.built.values():
         applied.deactivate()
-    if tuner.previous is None:
-        del module.forward
-    else:
-        module.forward = tuner.previous
+    unpatch(module, "forward")

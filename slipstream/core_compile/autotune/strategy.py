@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..._common.patch import patch, unpatch
+
 __all__ = ["STRATEGIES", "Counter", "Strategy", "candidates", "has_forward_hooks", "hook_free_regions", "repeated_blocks"]
 
 
@@ -155,18 +157,16 @@ class Applied:
     forward: object = None
     """The compiled ``forward`` (scope ``"model"``)."""
     regions: list = field(default_factory=list)
-    """(module, compiled forward, the instance's own forward or None) (scope ``"regions"``)."""
+    """(module, compiled forward) (scope ``"regions"``)."""
 
     def activate(self) -> None:
-        for module, compiled, _ in self.regions:
-            module.forward = compiled
+        """The regions' compiled forwards on, for one call (patches in the one registry)."""
+        for module, compiled in self.regions:
+            patch(module, "forward", compiled, owner="compile")
 
     def deactivate(self) -> None:
-        for module, _, previous in self.regions:
-            if previous is None:
-                vars(module).pop("forward", None)
-            else:
-                module.forward = previous
+        for module, _ in self.regions:
+            unpatch(module, "forward")
 
 
 def build(strategy: Strategy, eager_forward, regions: list[torch.nn.Module]) -> Applied:
@@ -177,6 +177,5 @@ def build(strategy: Strategy, eager_forward, regions: list[torch.nn.Module]) -> 
         applied.forward = torch.compile(eager_forward, backend=counter, dynamic=strategy.dynamic)
     else:
         for module in regions:  # a forward another library set on the instance is compiled with it
-            previous = vars(module).get("forward")
-            applied.regions.append((module, torch.compile(module.forward, backend=counter, dynamic=strategy.dynamic), previous))
+            applied.regions.append((module, torch.compile(module.forward, backend=counter, dynamic=strategy.dynamic)))
     return applied

@@ -25,11 +25,14 @@ from __future__ import annotations
 
 import contextlib
 import types
+import weakref
 from dataclasses import dataclass
 from typing import Any, Iterator
 
 import torch
 
+from ..._common.patch import change, forget, patch
+from ..._common.patch import unpatch as unpatch_attribute
 from ..._common.settings import Settings
 from .attention import BACKENDS, VarlenContext, varlen_attention
 from .fuse import fuse_layers, unfuse_layers
@@ -42,6 +45,7 @@ ATTENTION_NAME = "slipstream_varlen"
 # the same function, kept out of dynamo's graphs: the name compiled layers call
 ATTENTION_NAME_COMPILED = "slipstream_varlen_compiled"
 _MARKER = "_slipstream_varlen"
+_OWNER = "varlen"  # its entries in the patch registry
 _GENERATION_ARGS = ("past_key_values", "use_cache", "output_attentions", "output_hidden_states")
 
 
@@ -151,9 +155,12 @@ def apply(model: torch.nn.Module, config: VarlenConfig | None = None) -> torch.n
     model.config._attn_implementation = attn_name
     setattr(model, _MARKER, state)
     setattr(model.model, _MARKER, state)
-    setattr(model.model, "forward", types.MethodType(_varlen_backbone_forward, model.model))
+    patch(model.model, "forward", types.MethodType(_varlen_backbone_forward, model.model), owner=_OWNER)
     if not wrapped:
-        setattr(model, "forward", types.MethodType(_varlen_forward, model))
+        patch(model, "forward", types.MethodType(_varlen_forward, model), owner=_OWNER)
+    ref = weakref.ref(model)
+    change((_OWNER, id(model)), f"{type(model).__name__}: padding removed, attention {attn_name}",
+           lambda: ref() is not None and unpatch(ref()), owner=_OWNER, target=model)
     return model
 
 
@@ -162,9 +169,10 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
     state = vars(model).pop(_MARKER, None)
     if state is None:
         return model
+    forget((_OWNER, id(model)))
     if state.original_forward is not None:
-        vars(model).pop("forward", None)
-    vars(model.model).pop("forward", None)
+        unpatch_attribute(model, "forward")
+    unpatch_attribute(model.model, "forward")
     vars(model.model).pop(_MARKER, None)
     unfuse_layers(model.model.layers)
     model.config._attn_implementation = state.original_attn_implementation

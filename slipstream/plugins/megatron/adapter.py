@@ -21,9 +21,9 @@ Three ways in, for the three ways Megatron users start:
   over the wrapper's data-parallel group. megatron-core users may call ``slipstream.compile``
   on their model themselves.
 - users who keep another default backend: ``process_groups()`` returns a
-  ``ProcessGroupCollection`` whose groups are slipstream twins of parallel_state's (same
+  ``ProcessGroupCollection`` whose groups are slipstream copies of parallel_state's (same
   ranks), and routes the calls that bypass a collection (parallel_state's getters, used e.g. by
-  the vocab-parallel cross entropy) to the same twins: a reversible patch
+  the vocab-parallel cross entropy) to the same copies: a reversible patch
   (``restore_process_groups()``).
 """
 
@@ -48,7 +48,7 @@ __all__ = ["add_arguments", "chain", "disable_compile", "enable_compile", "insta
 
 log = logging.getLogger("slipstream.megatron")
 _OWNER = "megatron"
-# parallel_state getters whose groups ``process_groups`` gives twins, by collection field
+# parallel_state getters whose groups ``process_groups`` gives slipstream copies, by collection field
 _GETTERS = {"tp": "get_tensor_model_parallel_group", "dp": "get_data_parallel_group",
             "pp": "get_pipeline_model_parallel_group", "mp": "get_model_parallel_group",
             "cp": "get_context_parallel_group"}
@@ -218,7 +218,7 @@ def _check_groups(parallel_state) -> None:
 # ------------------------------------------------------------------ groups on slipstream
 
 
-class _Twins:
+class _SlipstreamGroups:
     """Slipstream groups of the same ranks as parallel_state's, made once per set of ranks."""
 
     def __init__(self) -> None:
@@ -228,25 +228,25 @@ class _Twins:
         if group is None:
             return None
         ranks = tuple(dist.get_process_group_ranks(group))
-        twin = self.by_ranks.get(ranks)
-        if twin is None or twin not in dist.distributed_c10d._world.pg_map:  # none yet, or destroyed
+        copy = self.by_ranks.get(ranks)
+        if copy is None or copy not in dist.distributed_c10d._world.pg_map:  # none yet, or destroyed
             self.by_ranks[ranks] = dist.new_group(list(ranks), backend="slipstream", use_local_synchronization=True)
         return self.by_ranks[ranks]
 
 
-_TWINS = _Twins()
+_COPIES = _SlipstreamGroups()
 
 
 def process_groups():
     """A ``ProcessGroupCollection`` of parallel_state's groups on slipstream (collective over
-    each group's members), and parallel_state's getters for them answering the same twins
+    each group's members), and parallel_state's getters for them answering the same copies
     (reversible: ``restore_process_groups``). Needs ``initialize_model_parallel`` first."""
     from megatron.core import parallel_state
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     if not parallel_state.model_parallel_is_initialized():
         raise RuntimeError("process_groups() needs parallel_state.initialize_model_parallel first")
-    twins = {}
+    copies = {}
     for field, getter in _GETTERS.items():
         original = getattr(parallel_state, getter)
         original = getattr(original, "__wrapped__", original) if is_patched(parallel_state, getter) else original
@@ -254,23 +254,23 @@ def process_groups():
             group = original(check_initialized=False)
         except TypeError:  # get_data_parallel_group takes no such argument
             group = original()
-        twins[field] = _TWINS.of(group)  # made now, by every member alike
+        copies[field] = _COPIES.of(group)  # made now, by every member alike
 
         def answer(*args, _original=original, **kwargs):
-            # the twin of whatever group the getter names (other arguments: other groups)
-            return _TWINS.of(_original(*args, **kwargs))
+            # the copy of whatever group the getter names (other arguments: other groups)
+            return _COPIES.of(_original(*args, **kwargs))
 
         patch(parallel_state, getter, functools.wraps(original)(answer), owner=_OWNER + "-groups")
     collection = ProcessGroupCollection.use_mpu_process_groups()
-    for field, twin in twins.items():
-        if twin is not None:
-            setattr(collection, field, twin)
-    note_stack("megatron", engaged=True, groups="slipstream twins of parallel_state's (process_groups())")
+    for field, copy in copies.items():
+        if copy is not None:
+            setattr(collection, field, copy)
+    note_stack("megatron", engaged=True, groups="slipstream copies of parallel_state's (process_groups())")
     return collection
 
 
 def restore_process_groups() -> None:
-    """Undo ``process_groups``' patch of parallel_state's getters (the twins stay alive)."""
+    """Undo ``process_groups``' patch of parallel_state's getters (the copies stay alive)."""
     import sys
 
     parallel_state = sys.modules.get("megatron.core.parallel_state")
