@@ -22,7 +22,6 @@ from ._common import patch, record
 from ._common.settings import parse_bool
 from ._common.version import __version__
 from .core_comm import counters, pool
-from .core_comm.backend.registry import registered_config
 from .core_comm.config import CommConfig
 from .core_comm.groups import group_ranks
 
@@ -109,7 +108,7 @@ def _comm_settings() -> dict | str:
     """The settings a slipstream group created now gets: ``enable(config)``'s, else the
     environment's (``CommConfig.from_env``: the ``SLIPSTREAM_CONFIG`` file, ``SLIPSTREAM_*``)."""
     try:
-        return (registered_config() or CommConfig.from_env()).to_dict()
+        return CommConfig.default().to_dict()
     except ValueError as e:  # a bad setting: groups will refuse it by name
         return f"invalid: {e}"
 

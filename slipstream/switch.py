@@ -1,7 +1,7 @@
 """``slipstream.enable()`` / ``slipstream.disable()``: the one-line switch.
 
-``enable`` registers the ``slipstream`` backend (bound to ``config``, else each group reads its
-settings when it is created: ``CommConfig.from_env()``) and makes it torch's default backend for
+``enable`` registers the ``slipstream`` backend (every group then takes ``config``, else reads
+its settings when it is created: ``CommConfig.from_env()``) and makes it torch's default backend for
 CPU: torch's ``default_device_backend_map["cpu"]`` becomes ``"slipstream"``. That table is what
 ``init_process_group()`` consults when no backend is named (since torch 2.6, also through
 ``device_id``) and what ``get_default_backend_for_device("cpu")`` answers, so a stack that
@@ -45,7 +45,8 @@ def enable(config: CommConfig | None = None, *, source: str = "enable()") -> Non
     registry.record_tables(owner="switch")  # the first enable's tables are what disable restores
     if not record.switch.on:
         record.switch.source = source
-    registry.register(config)
+    record.switch.config = config
+    registry.register()
     registry.install_barrier_shim()
     dist.Backend.default_device_backend_map[_DEVICE] = registry.BACKEND
     _watch_init()
@@ -58,7 +59,7 @@ def disable() -> None:
     """Undo ``enable`` and everything slipstream changed since, exactly; a no-op when off."""
     autoload.remove_hooks()
     uninstall_all()
-    record.switch.source = ""
+    record.switch.source, record.switch.config = "", None
 
 
 def is_enabled() -> bool:

@@ -1,6 +1,10 @@
 """The adapters' one patch helper: idempotent, the original reachable, an exact undo."""
 
+import gc
 import types
+import weakref
+
+import torch
 
 from slipstream._common import patch as _patch
 
@@ -41,3 +45,44 @@ def test_uninstall_all_undoes_every_patch_of_an_owner_newest_first():
     assert a.x == 1 and _patch.is_patched(b, "y")
     _patch.uninstall_all()
     assert b.y == 2 and _patch.patches() == []
+
+
+def test_a_change_is_undone_with_the_rest_and_leaves_with_its_target():
+    class Model:
+        pass
+
+    model, undone = Model(), []
+    assert _patch.change(("test", id(model)), "Model: changed", lambda: undone.append(1), owner="test", target=model)
+    assert not _patch.change(("test", id(model)), "again", lambda: undone.append(2), owner="test")  # first stays
+    assert "test: Model: changed" in _patch.patches("test")
+    _patch.uninstall_all("test")
+    assert undone == [1] and _patch.patches("test") == []
+    _patch.change(("test", id(model)), "Model: changed", lambda: undone.append(3), owner="test", target=model)
+    del model
+    gc.collect()
+    assert _patch.patches("test") == [] and undone == [1]  # gone with its target, not undone
+
+
+def test_an_instance_patch_does_not_keep_the_instance_alive():
+    class Layer:
+        def forward(self):
+            return "stock"
+
+    layer = Layer()
+    _patch.patch(layer, "forward", types.MethodType(lambda self: "ours", layer), owner="test")
+    alive = weakref.ref(layer)
+    del layer
+    gc.collect()
+    assert alive() is None and _patch.patches("test") == []
+
+
+def test_disable_undoes_a_compiled_models_forward_and_status_lists_it():
+    import slipstream
+    from slipstream.core_compile.autotune.autotuner import is_compiled
+
+    model = torch.nn.Linear(4, 4)
+    slipstream.compile(model, config=slipstream.CompileConfig(strategy="eager", verbose=False))
+    assert is_compiled(model) and any(p.startswith("compile: Linear.forward") for p in slipstream.status()["patches"])
+    slipstream.disable()
+    assert not is_compiled(model) and "forward" not in vars(model)
+    assert torch.equal(model(torch.ones(4)), torch.nn.functional.linear(torch.ones(4), model.weight, model.bias))

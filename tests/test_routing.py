@@ -239,3 +239,51 @@ def test_an_async_error_reaches_torch_as_an_error_and_the_group_goes_on():
         assert all(e is not None and "ComplexFloat" in e for e in o["errors"]), o["errors"]
         assert_close(o["t"], _values(0, 300_000) + _values(1, 300_000), rtol=0, atol=0)
 
+
+
+# ---------------------------------------------------------------- the rule itself, no group
+
+
+class _Plan:
+    """A plan that answers one choice for every call."""
+
+    def __init__(self, choice):
+        self.choice, self.source = choice, "test"
+
+    def choose(self, kind, nbytes, dtype):
+        return self.choice
+
+
+def _route(kind="all_reduce", tensor=None, op=ReduceOp.SUM, plan=None, **config):
+    from slipstream.core_comm import CommConfig
+    from slipstream.core_comm.routing import route
+
+    tensor = torch.ones(1000) if tensor is None else tensor
+    return route(kind, tensor, op, world=4, config=CommConfig(**config), nccl=False, plan=plan,
+                 hierarchical=True, intra=True, unavailable="")[0]
+
+
+def test_the_rule_refuses_what_no_fast_path_computes_before_any_communicator():
+    from slipstream.core_comm import CommConfig
+    from slipstream.core_comm.routing import refusal
+
+    config = CommConfig()
+    assert refusal(torch.ones(4), config=config, nccl=False) is None
+    assert "dtype" in refusal(torch.ones(4, dtype=torch.complex64), config=config, nccl=False)
+    assert "AVG" in refusal(torch.ones(4, dtype=torch.int32), ReduceOp.AVG, config=config, nccl=False)
+    assert "disabled" in refusal(torch.ones(4), config=CommConfig(shm=False), nccl=False)
+    assert "layout" in refusal(torch.ones(4).to_sparse(), config=config, nccl=False)
+
+
+def test_a_size_sends_a_call_to_stock_only_where_stock_computes_the_same_numbers():
+    from slipstream.core_comm.routing import Choice
+
+    stock = _Plan(Choice("stock"))
+    assert _route(plan=stock) == "stock"  # a float32 SUM: gloo's sum
+    assert _route("all_gather", plan=stock) == "stock"  # no arithmetic
+    for op in (ReduceOp.AVG, ReduceOp.MAX, ReduceOp.MIN, dist._make_nccl_premul_sum(0.5)):
+        assert _route(plan=stock, op=op) == "hierarchical", op  # gloo refuses or differs
+    assert _route(plan=stock, tensor=torch.ones(1000, dtype=torch.bfloat16)) == "hierarchical"  # fp32 accumulation
+    assert _route(min_hierarchical_bytes=1 << 20) == "stock"
+    assert _route(min_hierarchical_bytes=1 << 20, op=ReduceOp.MAX) == "hierarchical"
+    assert _route(plan=_Plan(Choice("hierarchical", 1 << 20)), min_hierarchical_bytes=1 << 20) == "hierarchical"

@@ -20,12 +20,14 @@ log = logging.getLogger("slipstream")
 
 
 class Switch:
-    """Who turned slipstream on in this process (``enable()``, ``SLIPSTREAM=1``); empty: off."""
+    """Who turned slipstream on in this process (``enable()``, ``SLIPSTREAM=1``; empty: off),
+    and the collectives' settings given in code (``enable(config)``; None: none given)."""
 
-    __slots__ = ("source",)
+    __slots__ = ("source", "config")
 
     def __init__(self) -> None:
         self.source = ""
+        self.config = None
 
     @property
     def on(self) -> bool:

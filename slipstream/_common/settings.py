@@ -18,7 +18,8 @@ import types
 import typing
 from typing import Any, Mapping
 
-__all__ = ["CONFIG_VAR", "Settings", "config_file", "parse_bool", "read_section_file"]
+__all__ = ["CONFIG_VAR", "Settings", "config_file", "parse_bool", "read_section_file", "reject_unknown",
+           "require_mapping", "typed"]
 
 CONFIG_VAR = "SLIPSTREAM_CONFIG"
 ENV_PREFIX = "SLIPSTREAM_"

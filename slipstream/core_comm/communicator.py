@@ -24,7 +24,7 @@ from ._compat import all_gather_into_tensor, reduce_scatter_tensor
 from .call_check import CallCheck
 from .collectives.cma import CmaComm
 from .collectives.hierarchical import Hierarchical
-from .collectives.shm import ShmComm, ShmError, _check_sizes, is_supported_platform
+from .collectives.shm import ShmComm, ShmError, check_sizes, is_supported_platform
 from .collectives.staging import CudaStaging
 from .config import CommConfig
 from .groups import group_ranks, node_subgroups
@@ -60,7 +60,7 @@ class Communicator:
         self.group = group
         self.checker = checker
         """``SLIPSTREAM_DEBUG``'s same-call check (built on the first checked call if None)."""
-        self.config = config if config is not None else CommConfig.from_env()
+        self.config = config if config is not None else CommConfig.default()
         self.plan = plan
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
@@ -187,7 +187,7 @@ class Communicator:
         return self._resize_as("all_gather", "all_gather", output, input, None, async_op)
 
     def _resize_as(self, counted: str, kind: str, output, input, op, async_op: bool):
-        _check_sizes(kind, output, input, self.world)
+        check_sizes(kind, output, input, self.world)
         big = output if kind == "all_gather" else input
         nbytes = big.numel() * big.element_size()
         algo, _, label = self._choose(kind, input, ReduceOp.SUM if op is None else op, (output,), nbytes)
@@ -216,7 +216,7 @@ class Communicator:
         side by side, so rank r receives its blocks of every input in one shard."""
         _check_coalesced("reduce_scatter_coalesced", inputs, outputs)
         for o, i in zip(outputs, inputs):
-            _check_sizes("reduce_scatter", o, i, self.world)
+            check_sizes("reduce_scatter", o, i, self.world)
         flat_in = torch.cat([i.reshape(self.world, -1) for i in inputs], dim=1).reshape(-1)
         flat_out = flat_in.new_empty(flat_in.numel() // self.world)
         work = self._resize_as("reduce_scatter_coalesced", "reduce_scatter", flat_out, flat_in, op, async_op)
@@ -226,7 +226,7 @@ class Communicator:
         """``all_gather`` of each pair, as one call."""
         _check_coalesced("all_gather_coalesced", inputs, outputs)
         for o, i in zip(outputs, inputs):
-            _check_sizes("all_gather", o, i, self.world)
+            check_sizes("all_gather", o, i, self.world)
         flat_in = torch.cat([i.reshape(-1) for i in inputs])
         flat_out = flat_in.new_empty(flat_in.numel() * self.world)
 

@@ -8,6 +8,7 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
+from .._common import record
 from .._common.settings import Settings, config_file, require_mapping
 
 __all__ = ["CommConfig"]
@@ -34,7 +35,7 @@ class CommConfig(Settings):
     chunks, with no tuner plan for its size, takes a quarter of the message per chunk."""
     connections: int = 1
     """TCP connections per inter-node peer (1-16). 1 uses the group's own backend (gloo);
-    more split each inter-node message across that many connections (``transport.py``)."""
+    more split each inter-node message across that many connections (``transport/tcp.py``)."""
     port_base: int = 0
     """First listening port of the multi-connection transport (each rank takes a free block
     of ``connections`` ports from here); 0 lets the kernel pick."""
@@ -73,6 +74,12 @@ class CommConfig(Settings):
         # nan and inf would switch every bounded wait off
         if name == "timeout_s" and not (math.isfinite(value) and value > 0):
             raise ValueError(f"timeout_s must be a positive finite number of seconds, got {value}")
+
+    @classmethod
+    def default(cls) -> "CommConfig":
+        """The settings of a group no code gave settings to: ``slipstream.enable(config)``'s,
+        else ``from_env()``."""
+        return record.switch.config or cls.from_env()
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> "CommConfig":

@@ -51,7 +51,7 @@ class CommunicatorPool:
 
     def get(self, group: dist.ProcessGroup | None = None, *, config: CommConfig | None = None) -> Communicator:
         """The communicator of ``group``; built (collectively) on first use with ``config``
-        (None: ``CommConfig.from_env()``), running the tuner's plan."""
+        (None: ``CommConfig.default()``), running the tuner's plan."""
         key = _key(group)
         with self._lock:
             comm = self._comms.get(key)
@@ -130,7 +130,7 @@ def _ranks(group) -> list[int]:
 def _build(group, config: CommConfig | None) -> Communicator:
     from .tuner import tuned_communicator
 
-    config = config if config is not None else CommConfig.from_env()
+    config = config if config is not None else CommConfig.default()
     over, checker = group, None
     core_spec = getattr(group, "core_spec", None)
     if core_spec is not None:

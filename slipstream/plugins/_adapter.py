@@ -11,7 +11,7 @@ import logging
 from typing import Any, Mapping
 
 from .config import SlipstreamConfig
-from ..core_comm.backend.registry import registered_config
+from .._common import record
 from .cpu_memory import keep_freed_memory, release_freed_memory
 
 __all__ = ["apply_job_effects", "compile_model", "read_config", "undo_job_effects"]
@@ -22,7 +22,7 @@ log = logging.getLogger("slipstream")
 def read_config(section: Mapping[str, Any] | None, where: str = "slipstream") -> SlipstreamConfig:
     """The stack's ``section`` (None: absent, so disabled) as a validated config; errors name
     the key (``where`` is its path) or the variable."""
-    return SlipstreamConfig.from_dict(section, where, code=registered_config())
+    return SlipstreamConfig.from_dict(section, where, code=record.switch.config)
 
 
 def apply_job_effects(settings: SlipstreamConfig, *, on_cpu: bool) -> None:

@@ -25,6 +25,8 @@ import logging
 import platform
 import threading
 
+from .._common.patch import change, forget
+
 __all__ = ["keep_freed_memory", "release_freed_memory", "is_keeping_freed_memory"]
 
 log = logging.getLogger("slipstream")
@@ -64,7 +66,9 @@ def keep_freed_memory() -> bool:
             return False
         _set(libc, _KEEP)
         _keeping = True
-        return True
+    change("keep_freed_memory", "glibc malloc: freed memory kept in the process (mallopt)", release_freed_memory,
+           owner="memory")
+    return True
 
 
 def release_freed_memory() -> None:
@@ -77,6 +81,7 @@ def release_freed_memory() -> None:
         _set(libc, _GLIBC_DEFAULTS)
         libc.malloc_trim(ctypes.c_size_t(0))
         _keeping = False
+    forget("keep_freed_memory")
 
 
 def is_keeping_freed_memory() -> bool:

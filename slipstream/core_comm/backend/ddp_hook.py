@@ -34,7 +34,7 @@ class DDPHookState:
         self.process_group = process_group
         """None: the default group."""
         self.config = config
-        """None: ``CommConfig.from_env()`` when the communicator is built."""
+        """None: ``CommConfig.default()`` when the communicator is built."""
 
     def communicator(self):
         """The communicator of the group (collective the first time)."""

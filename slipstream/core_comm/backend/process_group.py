@@ -377,16 +377,16 @@ def _nccl(store, rank, size, timeout, global_ranks, group_name):
     return nccl
 
 
-def create_process_group(dist_options, pg_options=None, *, config: CommConfig | None = None):
+def create_process_group(dist_options, pg_options=None):
     """torch's creator for the backend (``register_backend(..., extended_api=True)``).
 
     The group's settings, first found first: ``pg_options`` (a ``CommConfig`` passed to
-    ``init_process_group`` / ``new_group``), the ``config`` bound at registration
-    (``slipstream.enable(config)``), the ``SLIPSTREAM_*`` environment.
+    ``init_process_group`` / ``new_group``), else ``CommConfig.default()`` (``enable(config)``'s,
+    the ``SLIPSTREAM_CONFIG`` file's, the ``SLIPSTREAM_*`` environment's).
     """
     if pg_options is not None and not isinstance(pg_options, CommConfig):
         raise TypeError(f"the slipstream backend takes a CommConfig as pg_options, got {type(pg_options).__name__}")
-    cfg = pg_options or config or CommConfig.from_env()
+    cfg = pg_options or CommConfig.default()
     return SlipstreamProcessGroup(
         dist_options.store, dist_options.group_rank, dist_options.group_size, dist_options.timeout,
         global_ranks=list(dist_options.global_ranks_in_group), group_name=str(dist_options.group_id),

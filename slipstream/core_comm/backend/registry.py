@@ -12,44 +12,29 @@ from __future__ import annotations
 import functools
 import warnings
 from datetime import timedelta
-from typing import Any
 
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from ..._common.patch import change, patch
-from ..config import CommConfig
 from .process_group import BACKEND, SlipstreamProcessGroup, create_process_group
 
-__all__ = ["BACKEND", "install_barrier_shim", "record_tables", "register", "registered_config"]
+__all__ = ["BACKEND", "install_barrier_shim", "record_tables", "register"]
 
 DEVICES = ("cpu", "cuda")
 _MISSING = object()
 
 
-def _creator(config: CommConfig | None):
-    def create_slipstream_group(dist_options, pg_options=None):
-        install_barrier_shim()  # torch refuses monitored_barrier on a backend not named gloo
-        return create_process_group(dist_options, pg_options, config=config)
-
-    create_slipstream_group.config = config  # type: ignore[attr-defined]
-    return create_slipstream_group
+def _create_slipstream_group(dist_options, pg_options=None):
+    install_barrier_shim()  # torch refuses monitored_barrier on a backend not named gloo
+    return create_process_group(dist_options, pg_options)
 
 
-def registered_config(default: Any = None) -> CommConfig | None:
-    """The config bound at registration (None: the environment, per group)."""
-    plugin = dist.Backend._plugins.get(BACKEND.upper())
-    return getattr(plugin.creator_fn, "config", default) if plugin else default
-
-
-def register(config: CommConfig | None = None) -> None:
-    """Register ``slipstream`` (again: with ``config`` bound). Changes no default: the cpu and
-    cuda entries of torch's ``default_device_backend_map`` stay as they are."""
-    if config is not None and not isinstance(config, CommConfig):
-        raise TypeError(f"config must be a CommConfig, got {type(config).__name__}")
-    plugin = dist.Backend._plugins.get(BACKEND.upper())
-    if plugin is None or getattr(plugin.creator_fn, "config", _MISSING) is not config:
-        dist.Backend.register_backend(BACKEND, _creator(config), extended_api=True, devices=list(DEVICES))
+def register() -> None:
+    """Register ``slipstream`` (idempotent). Changes no default: the cpu and cuda entries of
+    torch's ``default_device_backend_map`` stay as they are."""
+    if BACKEND.upper() not in dist.Backend._plugins:
+        dist.Backend.register_backend(BACKEND, _create_slipstream_group, extended_api=True, devices=list(DEVICES))
 
 
 def install_barrier_shim() -> None:

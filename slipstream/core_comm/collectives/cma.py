@@ -51,18 +51,11 @@ import torch
 import torch.distributed as dist
 
 from ..ops import COMBINE, level_op
-from .shm import ShmComm, ShmError, _check_sizes, _split
+from .shm import ShmComm, ShmError, _split, check_sizes
 
-__all__ = ["CmaComm", "MIN_BYTES", "read_peer", "write_peer"]
+__all__ = ["CmaComm", "read_peer", "write_peer"]
 
 ReduceOp = dist.ReduceOp
-
-MIN_BYTES = {"all_reduce": 512 << 10, "reduce_scatter": 256 << 10, "all_gather": 4 << 20}
-"""The communicator takes this path from these sizes of the whole buffer (the allreduce's
-tensor, the reduce-scatter's input, the allgather's output), where it beat ``ShmComm`` on 1
-node x 4 ranks of the benchmark machine: at 256 KiB the allreduce took 0.95 ms against
-0.85, at 512 KiB 1.11 against 1.15; the reduce-scatter 0.58 against 0.62 at 256 KiB; the
-allgather 1.06 against 1.03 at 1 MiB and 2.41 against 2.46 at 4 MiB."""
 
 
 class _IoVec(ctypes.Structure):
@@ -150,7 +143,7 @@ class CmaComm:
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op=ReduceOp.SUM) -> None:
         """``output: (n,)`` on rank r gets the reduction of ``input.view(world, n)[r]``."""
         n, r = output.numel(), self.shm.rank
-        _check_sizes("reduce_scatter", output, input, self.shm.world)
+        check_sizes("reduce_scatter", output, input, self.shm.world)
         if n == 0:
             return
         src = input.reshape(-1) if input.is_contiguous() else input.contiguous().view(-1)
@@ -167,7 +160,7 @@ class CmaComm:
         """``output: (world * n,)`` gets every rank's ``input: (n,)`` in rank order;
         ``input`` may be this rank's row of ``output`` (FSDP2 does this)."""
         n, r = input.numel(), self.shm.rank
-        _check_sizes("all_gather", output, input, self.shm.world)
+        check_sizes("all_gather", output, input, self.shm.world)
         if n == 0:
             return
         src = input.reshape(-1) if input.is_contiguous() else input.contiguous().view(-1)

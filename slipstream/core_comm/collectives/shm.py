@@ -62,7 +62,7 @@ from .segment import (
     _process_gone,
 )
 
-__all__ = ["ShmComm", "ShmError", "is_supported_platform"]
+__all__ = ["ShmComm", "ShmError", "check_sizes", "is_supported_platform"]
 
 ReduceOp = dist.ReduceOp
 _MIN_SLEEP_S, _MAX_SLEEP_S = 50e-6, 1e-3  # a waiting rank's sleep, after its first 64 yields
@@ -162,7 +162,7 @@ class ShmComm:
         """``output: (n,)`` on rank r gets the reduction of ``input.view(world, n)[r]``."""
         self._check(input, op)
         self._check(output, op)
-        _check_sizes("reduce_scatter", output, input, self.world)
+        check_sizes("reduce_scatter", output, input, self.world)
         n, w = output.numel(), self.world
         inp = input.reshape(w, n)
         out = output if output.is_contiguous() else torch.empty_like(output)
@@ -187,7 +187,7 @@ class ShmComm:
         """
         self._check(input, ReduceOp.SUM)
         self._check(output, ReduceOp.SUM)
-        _check_sizes("all_gather", output, input, self.world)
+        check_sizes("all_gather", output, input, self.world)
         n = input.numel()
         out = output if output.is_contiguous() else torch.empty_like(output)
         rows = out.view(self.world, n)
@@ -392,7 +392,7 @@ def _split(n: int, parts: int, align: int) -> list[int]:
     return [min(n, i * step) for i in range(parts)] + [n]
 
 
-def _check_sizes(kind: str, output: torch.Tensor, input: torch.Tensor, world: int) -> None:
+def check_sizes(kind: str, output: torch.Tensor, input: torch.Tensor, world: int) -> None:
     """``output`` holds ``world`` blocks of ``input``'s size (allgather) or the reverse."""
     big, small = (output, input) if kind == "all_gather" else (input, output)
     if big.numel() != small.numel() * world or output.dtype != input.dtype:

@@ -1,6 +1,6 @@
-"""The TCP layer of ``transport.py``: connection set-up (ports, greeting), the wire header, and
+"""The TCP layer of ``tcp.py``: connection set-up (ports, greeting), the wire header, and
 the lanes (per connection, a sending thread and a receiving thread) that run the steps
-``MultiConnInter`` hands them. See ``transport.py``'s docstring for the design.
+``MultiConnInter`` hands them. See ``tcp.py``'s docstring for the design.
 """
 
 from __future__ import annotations

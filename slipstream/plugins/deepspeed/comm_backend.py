@@ -39,7 +39,7 @@ class CommBackend:
         key = group if group is not None else dist.group.WORLD
         self._groups.add(key)
         # First collective on this group: every member is inside the same call.
-        return pool.get(key, config=self.config, tuned=True)
+        return pool.get(key, config=self.config)
 
     def all_reduce(self, tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
         op = self.__wrapped__._reduce_op(op)

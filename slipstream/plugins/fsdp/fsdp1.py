@@ -8,20 +8,30 @@ or ``register(model)``, which does that for the model's group. The hook is torch
 ``reduce_scatter_hook`` with the reduce-scatter handed to the core's communicator of the
 group; for a strategy without sharding (``NO_SHARD``, ``output`` is None) it all-reduces, as
 torch's ``allreduce_hook`` does. The parameter all-gathers go through the group's backend
-(the core, when the group is on ``slipstream``).
+(the core, when the group is on ``slipstream``). torch cannot remove a registered hook, so
+``register`` records one in the patch registry whose undo (``slipstream.disable``) sends the
+hook's calls to torch's own default hooks from then on.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..._common.patch import change
 from ...core_comm import pool
 
 __all__ = ["register", "slipstream_fsdp1_hook"]
 
+_ROUTED = "_slipstream_routed"  # on the hook's state: False once the registry undid the hook
+
 
 def slipstream_fsdp1_hook(state, grad: torch.Tensor, output: torch.Tensor | None) -> None:
     """``state``: torch's ``DefaultState`` (process group, pre/post-division factors)."""
+    if not getattr(state, _ROUTED, True):  # undone: torch's own hooks
+        from torch.distributed.algorithms._comm_hooks import default_hooks
+
+        return default_hooks.allreduce_hook(state, grad) if output is None else \
+            default_hooks.reduce_scatter_hook(state, grad, output)
     comm = pool.get(state.process_group)
     if state.gradient_predivide_factor > 1:
         grad.div_(state.gradient_predivide_factor)
@@ -39,4 +49,7 @@ def register(model) -> None:
     """Register the hook on an FSDP1 root module (before its first backward)."""
     from torch.distributed.algorithms._comm_hooks.default_hooks import DefaultState
 
-    model.register_comm_hook(DefaultState(model.process_group), slipstream_fsdp1_hook)
+    state = DefaultState(model.process_group)
+    model.register_comm_hook(state, slipstream_fsdp1_hook)
+    change(("fsdp1", id(model)), f"{type(model).__name__}: FSDP1 gradient reduce-scatter through the core",
+           lambda: setattr(state, _ROUTED, False), owner="fsdp", target=model)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -28,7 +29,7 @@ import torch.distributed as dist
 from ...core_comm import pool
 from ...core_comm.config import CommConfig
 from ..._common.record import note_stack, warn_once
-from ..._common.patch import patch, unpatch
+from ..._common.patch import change, forget, patch, unpatch
 
 __all__ = ["apply", "remove", "SlipstreamAllGather", "SlipstreamReduceScatter", "is_applied"]
 
@@ -124,6 +125,10 @@ def apply(model: torch.nn.Module, config: CommConfig | None = None) -> list[str]
         switched.append(label)
     if not found:
         raise ValueError(f"{type(model).__name__} has no FSDP2 module: call fully_shard on it (and its layers) first")
+    if switched:
+        ref = weakref.ref(model)
+        change(("fsdp2", id(model)), f"{type(model).__name__}: FSDP2 all-gathers and reduce-scatters through the core",
+               lambda: ref() is not None and remove(ref()), owner="fsdp", target=model)
     note_stack("fsdp", engaged=bool(switched), by="slipstream.fsdp.apply", modules_through_the_core=len(switched),
                hsdp_replicate_all_reduce="through the core" if _HSDP.groups else None)
     return switched
@@ -131,6 +136,7 @@ def apply(model: torch.nn.Module, config: CommConfig | None = None) -> list[str]
 
 def remove(model: torch.nn.Module) -> None:
     """Put back the comms each switched module had before ``apply``; a no-op elsewhere."""
+    forget(("fsdp2", id(model)))
     for module in model.modules():
         before = vars(module).pop(_ORIGINALS, None)
         if before is None:
@@ -148,7 +154,7 @@ class _HsdpAllReduce:
     is replaced by a view of ``torch.distributed`` whose ``all_reduce`` sends the replicate
     groups of switched modules to the core; every other call and group is torch's own. The
     view is installed with the first HSDP module switched and removed with the last
-    (``plugins._patch``: exact undo)."""
+    (``_common.patch``: exact undo)."""
 
     def __init__(self) -> None:
         self.groups: dict[int, list] = {}  # id(group) -> [group, config, modules switched on it]
