@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["COMBINE", "DTYPES", "KINDS", "OPS", "REDUCIBLE_DTYPES", "code", "describe", "level_op", "name_of",
+__all__ = ["COMBINE", "DTYPES", "KINDS", "OPS", "REDUCIBLE_DTYPES", "cannot_reduce", "code", "describe", "level_op", "name_of",
            "reduce_rows", "split_op"]
 
 ReduceOp = dist.ReduceOp
@@ -38,6 +38,17 @@ def code(table: tuple, value) -> int:
 def name_of(table: tuple, code_: int) -> str:
     """The entry of ``table`` with code ``code_``, as text (the code itself when unknown)."""
     return str(table[code_ - 1]) if 1 <= code_ <= len(table) else str(code_)
+
+
+def cannot_reduce(dtype: torch.dtype, op) -> str | None:
+    """Why the core cannot reduce ``dtype`` with ``op`` (a bare op, no factor), or None."""
+    if dtype not in REDUCIBLE_DTYPES:
+        return f"dtype {dtype} is not supported"
+    if op not in OPS:
+        return f"op {op} is not supported"
+    if op == ReduceOp.AVG and not dtype.is_floating_point:
+        return f"AVG of {dtype} is not defined here"
+    return None
 
 
 def split_op(op) -> tuple:

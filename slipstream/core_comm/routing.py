@@ -24,7 +24,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from .ops import OPS, REDUCIBLE_DTYPES, split_op
+from .ops import cannot_reduce, split_op
 
 __all__ = ["CMA_FROM_BYTES", "STOCK_BELOW_BYTES", "Choice", "Plan", "refusal", "route", "use_cma"]
 
@@ -84,13 +84,7 @@ def refusal(tensor: torch.Tensor, op=ReduceOp.SUM, others=(), *, config, nccl: b
     base, factor = split_op(op)
     if factor is not None and not tensor.dtype.is_floating_point:
         return f"PREMUL_SUM of {tensor.dtype} is not defined"
-    if tensor.dtype not in REDUCIBLE_DTYPES:
-        return f"dtype {tensor.dtype} is not supported"
-    if base not in OPS:
-        return f"op {base} is not supported"
-    if base == ReduceOp.AVG and not tensor.dtype.is_floating_point:
-        return f"AVG of {tensor.dtype} is not defined here"
-    return None
+    return cannot_reduce(tensor.dtype, base)
 
 
 def route(kind: str, tensor: torch.Tensor, op, *, world: int, config, nccl: bool, plan: Plan | None,

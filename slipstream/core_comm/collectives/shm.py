@@ -42,7 +42,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..ops import DTYPES, OPS, REDUCIBLE_DTYPES, code, reduce_rows
+from ..ops import DTYPES, OPS, cannot_reduce, code, reduce_rows
 from .segment import (
     _ABORTED,
     _ADDR,
@@ -136,13 +136,7 @@ class ShmComm:
         """None if the tensor and op can take this path, else the reason they cannot."""
         if tensor.device.type != "cpu":
             return f"device {tensor.device} is not cpu"
-        if tensor.dtype not in REDUCIBLE_DTYPES:
-            return f"dtype {tensor.dtype} is not supported"
-        if op not in OPS:
-            return f"op {op} is not supported"
-        if op == ReduceOp.AVG and not tensor.dtype.is_floating_point:
-            return f"AVG of {tensor.dtype} is not defined here"
-        return None
+        return cannot_reduce(tensor.dtype, op)
 
     def all_reduce(self, tensor: torch.Tensor, op=ReduceOp.SUM) -> None:
         """In place: ``tensor`` (any shape, any strides) becomes the reduction over ranks."""
