@@ -18,7 +18,8 @@ from slipstream.core_comm import Communicator, pool
 from slipstream.core_comm.topology import host_identity, node_key_from_env
 from slipstream.plugins.deepspeed.translate import zero_buckets
 from slipstream.plugins.fsdp.translate import wrap_policy_kwargs
-from slipstream.core_comm.tuner.tuner import KINDS, TuneKey, _buffers, default_cache_dir, load_plan
+from slipstream.core_comm.tuner.measure import collective_buffers
+from slipstream.core_comm.tuner.tuner import KINDS, TuneKey, default_cache_dir, load_plan
 
 _PROBE_SIZES = (4 << 10, 1 << 20, 64 << 20)  # full buffers, as `slipstream bench comm`
 
@@ -59,7 +60,7 @@ def _routes(comm: Communicator, plan) -> list[dict]:
     rows = []
     for kind in KINDS:
         for nbytes in _PROBE_SIZES:
-            _, inp = _buffers(kind, nbytes, torch.float32, comm.world)
+            _, inp = collective_buffers(kind, nbytes, torch.float32, comm.world)
             comm.plan = None
             algo, why = comm.algorithm(inp, kind=kind)
             comm.plan = plan

@@ -17,14 +17,15 @@ import torch
 import torch.distributed as dist
 
 from slipstream.core_comm import Communicator
-from slipstream.core_comm.tuner.tuner import KINDS, Tuner, _buffers, _call
+from slipstream.core_comm.tuner.measure import call_collective, collective_buffers
+from slipstream.core_comm.tuner.tuner import KINDS, Tuner
 
 
 def _once(comm: Communicator, plan, kind: str, out: torch.Tensor, inp: torch.Tensor) -> float:
     comm.plan = plan
     dist.barrier()
     t0 = time.perf_counter()
-    _call(comm, kind, out, inp)
+    call_collective(comm, kind, out, inp)
     return time.perf_counter() - t0
 
 
@@ -34,7 +35,7 @@ def _compare(default: Communicator, tuned: Communicator, plan, sizes: list[int],
     runs = {"default": (default, None), "tuned": (tuned, plan)}
     for kind in KINDS:
         for nbytes in sizes:
-            out, inp = _buffers(kind, nbytes, torch.float32, default.world)
+            out, inp = collective_buffers(kind, nbytes, torch.float32, default.world)
             out.zero_(), inp.zero_()
             times = {name: [] for name in runs}
             warm = torch.tensor([_once(*runs[name], kind, out, inp) for name in runs], dtype=torch.float64)

@@ -29,7 +29,7 @@ from typing import Mapping
 import torch
 import torch.distributed as dist
 
-from .measure import _buffers, _call, _candidates, _Fixed, _has_transport
+from .measure import call_collective, collective_buffers, _candidates, _Fixed, _has_transport
 from .plan import FORMAT, KINDS, BucketSizes, Entry, TunedPlan, TuneKey, _label
 from ..communicator import Choice, Communicator
 from ..config import CommConfig
@@ -254,7 +254,7 @@ class Tuner:
         name, entries, stopped = str(dtype).removeprefix("torch."), [], set()
         for nbytes in self.sizes:
             for kind in self.kinds:
-                out, inp = _buffers(kind, nbytes, dtype, comm.world)
+                out, inp = collective_buffers(kind, nbytes, dtype, comm.world)
                 default, others = _candidates(comm, kind, inp, self.chunks)
                 if default is None:
                     continue
@@ -330,7 +330,7 @@ class Tuner:
                 try:
                     dist.barrier(group=group)
                     t0 = time.perf_counter()
-                    _call(comm, kind, out, inp)
+                    call_collective(comm, kind, out, inp)
                     if r >= 0:
                         local[i, r] = time.perf_counter() - t0
                 finally:
@@ -351,7 +351,7 @@ class Tuner:
         comms = {k: comm if k == cfg.connections else
                  Communicator(comm.group, config=replace(cfg, connections=k), topology=comm.topology)
                  for k in counts}
-        out, inp = _buffers("all_reduce", 8 << 20, torch.float32, comm.world)
+        out, inp = collective_buffers("all_reduce", 8 << 20, torch.float32, comm.world)
         inp.zero_()
         calls = {str(k): (c, _Fixed(None), "all_reduce", out, inp) for k, c in comms.items()}
         times = self._timed(calls)
