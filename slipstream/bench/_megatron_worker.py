@@ -98,16 +98,14 @@ def main() -> None:
 
     from slipstream.core_comm import counters
     from slipstream.megatron import pack_batch
-    from slipstream.recipes._deepspeed_worker import load_samples, step_micro_batches
     from slipstream.recipes.tokenizer import load_tokenizer
+    from slipstream.recipes.training import micro_batches, training_samples
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tp)
     dp_group = parallel_state.get_data_parallel_group()
     dp_rank, dp_world = dist.get_rank(dp_group), dist.get_world_size(dp_group)
     tokenizer = load_tokenizer(None)
-    picks = argparse.Namespace(data=args.data, samples=args.samples, seed=args.seed, max_length=args.max_length,
-                               batch_size=args.batch, grad_accum=1)
-    samples = load_samples(picks, tokenizer)
+    samples = training_samples(args, tokenizer)
     vocab = math.ceil(len(tokenizer) / (128 * args.tp)) * 128 * args.tp  # Megatron pads the vocabulary so
     model, config = gpt(args.hidden, args.layers, args.heads, vocab, args.max_length, args.tp)
     params = sum(q.numel() for q in model.parameters())
@@ -117,7 +115,7 @@ def main() -> None:
     for step in range(args.warmup + args.steps):
         if step == args.warmup:
             counters.reset()
-        (micro,) = step_micro_batches(samples, step, picks, dp_rank, dp_world)
+        (micro,) = micro_batches(samples, step, dp_rank, dp_world, batch_size=args.batch, seed=args.seed)
         b = next_token_batch(micro, tokenizer.pad_token_id)
         t0 = time.perf_counter()
         if args.packed:
