@@ -93,9 +93,9 @@ def _deepspeed_reason() -> str | None:
     """Why DeepSpeed's shm allreduce cannot run here (None: it can); builds it the first time."""
     import torch
 
-    from slipstream.bench import _ds_shm
+    from slipstream.bench.workers import deepspeed_shm
 
-    return _ds_shm.prepare(torch.float32, nodes=1).reason
+    return deepspeed_shm.prepare(torch.float32, nodes=1).reason
 
 
 def test_short_run_adds_deepspeed_shm_allreduce_checked_against_gloo(tmp_path):
