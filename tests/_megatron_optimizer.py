@@ -50,7 +50,7 @@ def train(rank: int, world: int, tp: int, distributed: bool, steps: int = 3, com
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
     from slipstream import megatron
-    from slipstream.bench._megatron_worker import cpu_workarounds
+    from slipstream.bench.workers.megatron import cpu_workarounds
     from slipstream.core_comm import counters
     from test_megatron import _gpt
 

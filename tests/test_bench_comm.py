@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from slipstream.bench import comm
+from slipstream.bench import comm, report
 from slipstream.cli import main
 from slipstream.cluster import ClusterSpec
 
@@ -24,13 +24,24 @@ def _has_communicator() -> bool:
 
 @pytest.mark.parametrize("text, nbytes", [("4K", 4096), ("64KiB", 65536), ("1M", 1 << 20), ("100", 100)])
 def test_parse_size_uses_binary_units(text, nbytes):
-    assert comm.parse_size(text) == nbytes
+    assert report.parse_size(text) == nbytes
 
 
 @pytest.mark.parametrize("text", ["", "K", "-4K", "0", "big"])
 def test_parse_size_rejects_garbage(text):
     with pytest.raises(ValueError):
-        comm.parse_size(text)
+        report.parse_size(text)
+
+
+@pytest.mark.parametrize("nbytes, text", [(4096, "4 KiB"), (3 << 20, "3 MiB"), (1 << 30, "1 GiB"), (1536, "1536 B")])
+def test_format_size_names_the_largest_binary_unit_that_divides(nbytes, text):
+    assert report.format_size(nbytes) == text
+    assert report.parse_size(text) == nbytes
+
+
+def test_table_heads_aligns_and_lines_up_cells():
+    assert report.table(["op", "time (us)"], "lr", [["allreduce", 1.5], ["allgather", ""]]) == [
+        "| op | time (us) |", "|---|---:|", "| allreduce | 1.5 |", "| allgather |  |"]
 
 
 def _args(**kw) -> argparse.Namespace:
@@ -82,9 +93,9 @@ def _deepspeed_reason() -> str | None:
     """Why DeepSpeed's shm allreduce cannot run here (None: it can); builds it the first time."""
     import torch
 
-    from slipstream.bench import _ds_shm
+    from slipstream.bench.workers import deepspeed_shm
 
-    return _ds_shm.prepare(torch.float32, nodes=1).reason
+    return deepspeed_shm.prepare(torch.float32, nodes=1).reason
 
 
 def test_short_run_adds_deepspeed_shm_allreduce_checked_against_gloo(tmp_path):

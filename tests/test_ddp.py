@@ -14,7 +14,7 @@ from torch.testing import assert_close
 
 import slipstream
 from _dist import run_ranks
-from slipstream.bench._ddp_worker import batch, make_model
+from slipstream.bench.workers.ddp import batch, make_model
 from slipstream.core_comm import counters
 from slipstream.core_comm.backend.process_group import SlipstreamProcessGroup
 

@@ -189,7 +189,7 @@ def test_megatron_ddp_with_slipstream_compile_trains_as_eager_with_the_ranks_agr
 
 def _cpu_workarounds():
     """megatron-core 0.16 on CPU, in the ranks only: what the bench does and prints."""
-    from slipstream.bench._megatron_worker import cpu_workarounds
+    from slipstream.bench.workers.megatron import cpu_workarounds
 
     cpu_workarounds()
 

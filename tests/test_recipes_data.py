@@ -9,6 +9,7 @@ import pytest
 
 from slipstream.recipes import (
     AlpacaFormatError,
+    alpaca_samples,
     build_model,
     build_tokenizer,
     count_parameters,
@@ -70,6 +71,21 @@ def test_tokenisation_masks_the_prompt_and_ends_with_eos(tokenizer):
     assert sample["input_ids"][-1] == tokenizer.eos_token_id
     (short,) = tokenize_alpaca([rec], tokenizer, max_length=5)
     assert len(short["input_ids"]) == 5
+
+
+def test_alpaca_samples_cut_to_max_length_count_the_cut_and_drop_samples_without_a_target(tokenizer, tmp_path):
+    full, cut = alpaca_samples(tokenizer, samples=50, seed=3)
+    assert len(full) == 50 and cut == 0
+    short, cut = alpaca_samples(tokenizer, samples=50, seed=3, max_length=40)
+    assert cut == sum(len(s["input_ids"]) > 40 for s in full) > 0
+    assert [s["input_ids"] for s in short] == [s["input_ids"][:40] for s in full]
+    assert alpaca_samples(tokenizer, samples=50, seed=3, max_length=1) == ([], 50)
+    mixed, _ = alpaca_samples(tokenizer, samples=50, seed=3, shuffle=True)
+    assert mixed != full and sorted(map(str, mixed)) == sorted(map(str, full))
+    path = tmp_path / "d.json"
+    path.write_text(json.dumps([{"instruction": "a", "output": "b"}]))
+    (one,), _ = alpaca_samples(tokenizer, data=str(path), samples=50)
+    assert one == tokenize_alpaca(load_alpaca(path), tokenizer)[0]
 
 
 @pytest.mark.parametrize("name", ["llama-tiny", "qwen2-tiny", "mistral-tiny"])

@@ -9,7 +9,7 @@ implementation's output must equal the stock one), and the run fails if they dif
 
 Implementations: ``stock`` (the process group's backend, gloo), ``slipstream`` (its
 Communicator), and ``deepspeed``: the CPU shared-memory allreduce stock DeepSpeed builds
-(``_ds_shm.py`` says what it supports), for allreduce on one node in float32/bfloat16/float16
+(``workers/deepspeed_shm.py`` says what it supports), for allreduce on one node in float32/bfloat16/float16
 only. It is JIT-built the first time (about 1.5 minutes on 2 cores), before the ranks start and outside the
 timings; the report gives that set-up time. Where it cannot run, the report says why in one
 line and the others run.
@@ -29,19 +29,16 @@ reduce-scatter's input; GB/s are 10^9 bytes/s, so ``*_gbps`` fields are GB/s too
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import statistics
 import sys
-import tempfile
 import time
-from typing import Any
 
 import torch
 
-from slipstream.cluster import ClusterSpec, launch, parse_rate
-from ._output import cpu_model, emit, machine_line
+from slipstream.cluster import ClusterSpec, parse_rate
+from slipstream.cluster.worker import launch_worker
+from .report import emit, format_size, machine, machine_line, parse_size, table
 
 __all__ = ["add_arguments", "run"]
 
@@ -51,7 +48,6 @@ _BUS_FACTOR = {"allreduce": lambda n: 2 * (n - 1) / n, "allgather": lambda n: (n
                "reduce_scatter": lambda n: (n - 1) / n}
 _MEMORY_BYTES = {"allreduce": lambda n: 2 * n, "allgather": lambda n: n + 1,
                  "reduce_scatter": lambda n: n + 1}  # x S, see the module docstring
-_UNIT = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -70,26 +66,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=1800, help="seconds before every rank is killed")
     parser.add_argument("--json", help="write the records (a JSON list) here")
     parser.add_argument("--markdown", help="write the report (machine, command, table) here")
-
-
-def parse_size(text: str) -> int:
-    """``"64K"`` -> 65536 (binary units K, M, G; a bare number is bytes)."""
-    t = text.strip().upper().removesuffix("B").removesuffix("I")
-    unit = t[-1:] if t[-1:] in _UNIT else ""
-    try:
-        value = int(float(t[: len(t) - len(unit)]) * _UNIT[unit])
-    except ValueError:
-        raise ValueError(f"not a size: {text!r} (e.g. 4K, 64K, 1M, 16M)") from None
-    if value <= 0:
-        raise ValueError(f"size must be positive: {text!r}")
-    return value
-
-
-def _format_size(nbytes: int) -> str:
-    for unit in ("G", "M", "K"):
-        if nbytes >= _UNIT[unit] and nbytes % _UNIT[unit] == 0:
-            return f"{nbytes // _UNIT[unit]} {unit}iB"
-    return f"{nbytes} B"
 
 
 def _validate(args: argparse.Namespace) -> tuple[ClusterSpec, list[int], list[str], list[str]]:
@@ -140,14 +116,6 @@ def memory_bandwidth(nbytes: int = 512 << 20, repeats: int = 10) -> float:
     return 2 * nbytes / best
 
 
-def _machine() -> dict[str, Any]:
-    cpu = cpu_model()
-    with open("/proc/meminfo") as f:
-        mem_kib = int(next(line.split()[1] for line in f if line.startswith("MemTotal")))
-    return {"cpu": cpu, "cores": os.cpu_count(), "memory_gib": round(mem_kib / 2**20, 1),
-            "kernel": platform.release(), "python": platform.python_version(), "torch": torch.__version__}
-
-
 def _command(args: argparse.Namespace) -> str:
     parts = ["slipstream bench comm", f"--nodes {args.nodes}", f"--ranks-per-node {args.ranks_per_node}"]
     parts += [f"--link {args.link}"] if args.nodes > 1 else []
@@ -177,15 +145,12 @@ def _records(raw: dict, spec: ClusterSpec, mem_bw: float, args: argparse.Namespa
 
 
 def _table(records: list[dict]) -> str:
-    rows = ["| op | size | impl | time (us) | algbw (GB/s) | busbw (GB/s) | bound (us) | of bound | vs stock |",
-            "|---|---:|---|---:|---:|---:|---:|---:|---:|"]
-    for r in records:
-        impl = f"{r['impl']} ({r['algorithm']})"
-        ratio = "" if r["impl"] == "stock" else f"{r['vs_stock']:.2f}x"
-        rows.append(f"| {r['op']} | {_format_size(r['size_bytes'])} | {impl} | {r['time_s'] * 1e6:.1f} | "
-                    f"{r['algbw_gbps']:.3f} | {r['busbw_gbps']:.3f} | {r['bound_s'] * 1e6:.1f} | "
-                    f"{r['bound_s'] / r['time_s']:.0%} | {ratio} |")
-    return "\n".join(rows)
+    rows = [[r["op"], format_size(r["size_bytes"]), f"{r['impl']} ({r['algorithm']})", f"{r['time_s'] * 1e6:.1f}",
+             f"{r['algbw_gbps']:.3f}", f"{r['busbw_gbps']:.3f}", f"{r['bound_s'] * 1e6:.1f}",
+             f"{r['bound_s'] / r['time_s']:.0%}", "" if r["impl"] == "stock" else f"{r['vs_stock']:.2f}x"]
+            for r in records]
+    return "\n".join(table(["op", "size", "impl", "time (us)", "algbw (GB/s)", "busbw (GB/s)", "bound (us)",
+                            "of bound", "vs stock"], "lrlrrrrrr", rows))
 
 
 def _peer_line(ds) -> str | None:
@@ -202,17 +167,16 @@ def _deepspeed_peer(impls: list[str], args: argparse.Namespace, spec: ClusterSpe
     """Get DeepSpeed's op ready when asked for; drop it from ``impls`` where it cannot run."""
     if "deepspeed" not in impls:
         return None
-    from . import _ds_shm
+    from .workers import deepspeed_shm
 
-    ds = _ds_shm.prepare(getattr(torch, args.dtype), spec.nodes)
+    ds = deepspeed_shm.prepare(getattr(torch, args.dtype), spec.nodes)
     if ds.reason:
         impls.remove("deepspeed")
     return ds
 
 
-def _report(records: list[dict], machine: dict, command: str, spec: ClusterSpec, mem_bw: float,
+def _report(records: list[dict], m: dict, command: str, spec: ClusterSpec, mem_bw: float,
             load: tuple[float, ...], peer: str | None = None) -> str:
-    m = machine
     where = (f"{spec.nodes} emulated nodes x {spec.ranks_per_node} ranks, link {spec.link} each way"
              if spec.nodes > 1 else f"1 node x {spec.ranks_per_node} ranks (loopback, no emulation)")
     bound = ("bytes across each node's link / link rate" if spec.nodes > 1
@@ -233,7 +197,7 @@ def _report(records: list[dict], machine: dict, command: str, spec: ClusterSpec,
 
 def run(args: argparse.Namespace) -> int:
     spec, sizes, ops, impls = _validate(args)
-    machine, command, load = _machine(), _command(args), os.getloadavg()
+    m, command, load = machine(), _command(args), os.getloadavg()
     mem_bw = memory_bandwidth()
     sys.stdout.write(f"{command}\nmemory copy bandwidth {mem_bw / 1e9:.1f} GB/s\n")
     sys.stdout.flush()
@@ -242,18 +206,13 @@ def run(args: argparse.Namespace) -> int:
     if peer:
         sys.stdout.write(peer + "\n")
         sys.stdout.flush()
-    with tempfile.TemporaryDirectory(prefix="slipstream-bench-") as tmp:
-        out = os.path.join(tmp, "raw.json")
-        worker = ["-m", "slipstream.bench._comm_worker", "--out", out, "--ops", ",".join(ops),
-                  "--sizes", ",".join(map(str, sizes)), "--impls", ",".join(impls), "--dtype", args.dtype,
-                  "--iters", str(args.iters), "--warmup", str(args.warmup)]
-        launch(worker, spec, timeout=args.timeout)
-        with open(out) as f:
-            raw = json.load(f)
+    argv = ["--ops", ",".join(ops), "--sizes", ",".join(map(str, sizes)), "--impls", ",".join(impls),
+            "--dtype", args.dtype, "--iters", str(args.iters), "--warmup", str(args.warmup)]
+    raw = launch_worker("slipstream.bench.workers.comm", argv, spec, timeout=args.timeout)
     records = _records(raw, spec, mem_bw, args)
     for r in records:
         if r["impl"] == "deepspeed":
             r["setup_s"] = ds.setup_s  # import + build or load, once, outside time_s
-    report = _report(records, machine, command, spec, mem_bw, load, peer)
+    report = _report(records, m, command, spec, mem_bw, load, peer)
     emit(report, records, args)
     return 0

@@ -3,16 +3,16 @@ three training loops.
 
 Models (``--models``), each trained with forward + backward + optimizer step and its own loss:
 
-- ``resnet50``: ResNet-50 (torchvision's when it imports, else ``_resnet.py``, the same
+- ``resnet50``: ResNet-50 (torchvision's when it imports, else ``workers/resnet.py``, the same
   architecture; the report says which) on random ``(batch, 3, size, size)`` images, 10
   classes, cross-entropy, SGD with momentum;
 - ``bert``: ``BertForSequenceClassification``, random init, a BERT size from
-  ``_compile_worker.BERT_SIZES`` (``--bert-size``), fixed-shape batches of random token ids,
+  ``workers.compile.BERT_SIZES`` (``--bert-size``), fixed-shape batches of random token ids,
   AdamW;
 - ``llama``: the recipe's ``llama-20m`` with ``apply_varlen`` on ``FlattenCollator`` batches of
   alpaca samples (generated, or ``--data``): a packed row whose length changes every step.
 
-Each (model, device) runs in a fresh process (``_compile_worker.py``) with an empty inductor
+Each (model, device) runs in a fresh process (``workers/compile.py``) with an empty inductor
 cache directory and the decision cache off, so compile times are cold: a plain eager loop and
 the same model under ``slipstream.compile``, from one seed on the same batches. The per-model
 table gives steps/s of eager and of the chosen strategy after the choice (medians; their
@@ -34,8 +34,8 @@ import tempfile
 
 import torch
 
-from ._compile_worker import BERT_SIZES, WARM_STEPS, WORKLOADS
-from ._output import emit, machine_line
+from .report import emit, machine, machine_line, table
+from .workers.compile import BERT_SIZES, WARM_STEPS, WORKLOADS
 
 __all__ = ["GOALS", "add_arguments", "run"]
 
@@ -100,7 +100,7 @@ def _run_job(job: dict, tmp: str, timeout: float) -> dict:
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(tmp, f"inductor-{name}"),
                TRITON_CACHE_DIR=os.path.join(tmp, f"triton-{name}"),
                SLIPSTREAM_COMPILE_DIR=os.path.join(tmp, f"decisions-{name}"))
-    cmd = [sys.executable, "-m", "slipstream.bench._compile_worker", "--job", json.dumps(job), "--out", out]
+    cmd = [sys.executable, "-m", "slipstream.bench.workers.compile", "--job", json.dumps(job), "--out", out]
     try:
         with open(log, "w") as stderr:
             rc = subprocess.run(cmd, env=env, stdout=stderr, stderr=subprocess.STDOUT, timeout=timeout).returncode
@@ -132,32 +132,29 @@ def _summary(r: dict) -> dict:
 
 
 def _rows(records: list[dict]) -> list[str]:
-    rows = ["| model | device | chosen | eager steps/s | chosen steps/s | ratio | graph breaks | recompiles | "
-            f"search s (steps) | overhead s | share of {GOALS['run_steps']} steps |",
-            "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    rows = []
     for r in records:
         if "error" in r:
-            rows.append(f"| {r['model']} | {r['device']} | FAILED | - | - | - | - | - | - | - | - |")
+            rows.append([r["model"], r["device"], "FAILED", *["-"] * 8])
             continue
         s, rep = r["summary"], r["report"]
-        rows.append(f"| {r['model']} | {r['device']} | {rep['chosen']} | {s['eager_steps_per_s']:.2f} | "
-                    f"{s['chosen_steps_per_s']:.2f} | {s['ratio']:.2f}x | {len(rep['graph_breaks'])} | "
-                    f"{rep['recompiles']} | {rep['search_s']:.1f} ({rep['search_steps']}) | "
-                    f"{rep['overhead_s']:.1f} | {100 * s['search_share']:.0f}% |")
-    return rows
+        rows.append([r["model"], r["device"], rep["chosen"], f"{s['eager_steps_per_s']:.2f}",
+                     f"{s['chosen_steps_per_s']:.2f}", f"{s['ratio']:.2f}x", len(rep["graph_breaks"]),
+                     rep["recompiles"], f"{rep['search_s']:.1f} ({rep['search_steps']})", f"{rep['overhead_s']:.1f}",
+                     f"{100 * s['search_share']:.0f}%"])
+    return table(["model", "device", "chosen", "eager steps/s", "chosen steps/s", "ratio", "graph breaks",
+                  "recompiles", "search s (steps)", "overhead s", f"share of {GOALS['run_steps']} steps"],
+                 "lllrrrrrrrr", rows)
 
 
 def _candidate_rows(records: list[dict]) -> list[str]:
-    rows = ["| model | device | strategy | status | step ms | vs eager | compile s | graphs | note |",
-            "|---|---|---|---|---:|---:|---:|---:|---|"]
-    for r in records:
-        for c in r.get("report", {}).get("candidates", []):
-            ms = f"{c['step_ms']:.1f}" if c["step_ms"] is not None else "-"
-            sp = f"{c['speedup']:.2f}x" if c["speedup"] is not None else "-"
-            note = c["reason"].replace("|", "/")[:160]
-            rows.append(f"| {r['model']} | {r['device']} | {c['name']} | {c['status']} | {ms} | {sp} | "
-                        f"{c['compile_s']:.1f} | {c['graphs']} | {note} |")
-    return rows
+    rows = [[r["model"], r["device"], c["name"], c["status"],
+             f"{c['step_ms']:.1f}" if c["step_ms"] is not None else "-",
+             f"{c['speedup']:.2f}x" if c["speedup"] is not None else "-", f"{c['compile_s']:.1f}", c["graphs"],
+             c["reason"].replace("|", "/")[:160]]
+            for r in records for c in r.get("report", {}).get("candidates", [])]
+    return table(["model", "device", "strategy", "status", "step ms", "vs eager", "compile s", "graphs", "note"],
+                 "llllrrrrl", rows)
 
 
 def _goals(records: list[dict], device: str) -> str:
@@ -182,9 +179,7 @@ def _goals(records: list[dict], device: str) -> str:
 def _report(records: list[dict], devices: list[str], command: str) -> str:
     from transformers import __version__ as transformers_version
 
-    from .comm import _machine
-
-    lines = [machine_line(_machine(), f"transformers {transformers_version}"), f"command: {command}",
+    lines = [machine_line(machine(), f"transformers {transformers_version}"), f"command: {command}",
              "cold compiles: each model in a fresh process with an empty TORCHINDUCTOR_CACHE_DIR; "
              "CompileConfig(cache=False) and an empty SLIPSTREAM_COMPILE_DIR (no decision reused)",
              "steps/s: medians of forward + backward + optimizer step; chosen: steps after the choice, taking turns "

@@ -3,7 +3,7 @@
 One row per layout (``--layouts``, default ``2x2@1gbit,1x4``: 2 emulated nodes x 2 ranks over a
 1 Gbit/s link, root needed; then 1 node x 4 ranks on loopback). In each, every rank trains two
 copies of one MLP with plain ``DistributedDataParallel``, one on the slipstream default group
-and one on a gloo group of the same ranks, a step of each in turn (``_ddp_worker.py``).
+and one on a gloo group of the same ranks, a step of each in turn (``workers/ddp.py``).
 
 Columns: steps/s from the median step time of the slowest rank; ratio = slipstream / gloo
 steps/s; weights: both models' weights after the run, ``allclose`` at fp32 tolerance
@@ -15,16 +15,13 @@ allreduce needs on the link, 2(N-1)/N x gradient bytes / link rate (N nodes; TCP
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import re
 import statistics
 import sys
-import tempfile
 
-from slipstream.bench.comm import _machine
-from slipstream.cluster import ClusterSpec, launch, parse_rate
-from ._output import emit, machine_line
+from slipstream.cluster import ClusterSpec, parse_rate
+from slipstream.cluster.worker import launch_worker
+from .report import emit, machine, machine_line, table
 
 __all__ = ["add_arguments", "parse_layout", "run"]
 
@@ -70,19 +67,18 @@ def _record(spec: ClusterSpec, layout: str, raw: dict) -> dict:
 
 
 def _table(records: list[dict]) -> str:
-    rows = ["| layout | params | gloo steps/s | slipstream steps/s | ratio | link bound (ms) | weights |",
-            "|---|---:|---:|---:|---:|---:|---|"]
+    rows = []
     for r in records:
         bound = f"{r['link_bound_s'] * 1e3:.0f}" if r["link_bound_s"] else "-"
         same = "equal" if r["weights_equal"] else ("allclose" if r["weights_allclose"] else "DIFFER")
-        rows.append(f"| {r['layout']} | {r['params'] / 1e6:.1f} M | {r['steps_per_s']['gloo']:.2f} | "
-                    f"{r['steps_per_s']['slipstream']:.2f} | {r['ratio']:.2f}x | {bound} | "
-                    f"{same} (max diff {r['max_abs_weight_diff']:.1e}) |")
-    return "\n".join(rows)
+        rows.append([r["layout"], f"{r['params'] / 1e6:.1f} M", f"{r['steps_per_s']['gloo']:.2f}",
+                     f"{r['steps_per_s']['slipstream']:.2f}", f"{r['ratio']:.2f}x", bound,
+                     f"{same} (max diff {r['max_abs_weight_diff']:.1e})"])
+    return "\n".join(table(["layout", "params", "gloo steps/s", "slipstream steps/s", "ratio", "link bound (ms)",
+                            "weights"], "lrrrrrl", rows))
 
 
-def _report(records: list[dict], machine: dict, command: str) -> str:
-    m = machine
+def _report(records: list[dict], m: dict, command: str) -> str:
     return "\n".join([
         machine_line(m),
         f"command: {command}",
@@ -102,16 +98,10 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("--steps must be >= 1 and --warmup >= 0")
     command = _command(args)
     sys.stdout.write(command + "\n")
-    records = []
-    with tempfile.TemporaryDirectory(prefix="slipstream-bench-ddp-") as tmp:
-        for text, spec in layouts:
-            out = os.path.join(tmp, "raw.json")
-            worker = ["-m", "slipstream.bench._ddp_worker", "--out", out, "--width", str(args.width),
-                      "--depth", str(args.depth), "--batch", str(args.batch), "--steps", str(args.steps),
-                      "--warmup", str(args.warmup), "--bucket-mb", str(args.bucket_mb)]
-            launch(worker, spec, timeout=args.timeout)
-            with open(out) as f:
-                records.append(_record(spec, text, json.load(f)))
-    report = _report(records, _machine(), command)
+    argv = ["--width", str(args.width), "--depth", str(args.depth), "--batch", str(args.batch),
+            "--steps", str(args.steps), "--warmup", str(args.warmup), "--bucket-mb", str(args.bucket_mb)]
+    records = [_record(spec, text, launch_worker("slipstream.bench.workers.ddp", argv, spec, timeout=args.timeout))
+               for text, spec in layouts]
+    report = _report(records, machine(), command)
     emit(report, records, args)
     return 0 if all(r["weights_allclose"] for r in records) else 1

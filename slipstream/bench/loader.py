@@ -20,7 +20,8 @@ import time
 
 import torch
 
-from ._output import emit, machine_line
+from slipstream.cluster.worker import turns
+from .report import emit, machine, machine_line, table
 
 __all__ = ["add_arguments", "run"]
 
@@ -112,9 +113,8 @@ def run(args: argparse.Namespace) -> int:
     kinds = ("plain", "thread", "process")
     rounds = []
     for r in range(args.repeats):
-        order = kinds[r % 3:] + kinds[:r % 3]
         times, collated = {}, 0.0
-        for kind in order:
+        for kind in turns(kinds, r):
             source = _Collating(collate, args.steps)
             batches = source if kind == "plain" else AsyncLoader(source, process=kind == "process")
             times[kind] = _loop(batches, step)
@@ -127,14 +127,12 @@ def run(args: argparse.Namespace) -> int:
               "threads": torch.get_num_threads(), "rounds": rounds,
               "hidden_median": statistics.median(r["hidden"] for r in rounds),
               "hidden_process_median": statistics.median(r["hidden_process"] for r in rounds)}
-    from .comm import _machine
-
-    lines = [machine_line(_machine()), f"command: {command}",
-             f"torch threads for the step: {record['threads']}; hidden = (plain - loop) / collation time",
-             "", "| round | plain (s) | thread (s) | process (s) | collation (s) | hidden: thread | hidden: process |",
-             "|---:|---:|---:|---:|---:|---:|---:|"]
-    lines += [f"| {i} | {r['plain_s']:.3f} | {r['async_s']:.3f} | {r['process_s']:.3f} | {r['collate_s']:.3f} | "
-              f"{100 * r['hidden']:.0f}% | {100 * r['hidden_process']:.0f}% |" for i, r in enumerate(rounds, 1)]
+    lines = [machine_line(machine()), f"command: {command}",
+             f"torch threads for the step: {record['threads']}; hidden = (plain - loop) / collation time", ""]
+    rows = [[i, *(f"{r[k]:.3f}" for k in ("plain_s", "async_s", "process_s", "collate_s")),
+             f"{100 * r['hidden']:.0f}%", f"{100 * r['hidden_process']:.0f}%"] for i, r in enumerate(rounds, 1)]
+    lines += table(["round", "plain (s)", "thread (s)", "process (s)", "collation (s)", "hidden: thread",
+                    "hidden: process"], "rrrrrrr", rows)
     lines += ["", f"median hidden: {100 * record['hidden_median']:.0f}% of the collation time with a thread, "
                   f"{100 * record['hidden_process_median']:.0f}% with a process", ""]
     emit("\n".join(lines), record, args)

@@ -2,7 +2,7 @@
 
 For each ``--tp`` (default ``2,1``: TP=2 inside each node x DP across nodes, then TP=1 x DP
 over every rank) on one cluster layout (default 2 emulated nodes x 2 ranks over 1 Gbit/s, root
-needed), three jobs run one after another on the same data and seed (``_megatron_worker.py``):
+needed), three jobs run one after another on the same data and seed (``workers/megatron.py``):
 gloo with padded batches (stock), slipstream with padded batches, slipstream with packed (THD)
 batches through its packed attention. Megatron's DDP reduces the gradients; the optimizer is
 torch's AdamW over DDP's reduced gradients.
@@ -15,19 +15,16 @@ needs CUDA for on CPU is worked around in the ranks only, and listed in the repo
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import sys
-import tempfile
 
-from slipstream.bench.comm import _machine
-from slipstream.cluster import launch
-from ._output import emit, machine_line
+from slipstream.cluster.worker import launch_worker
 from .ddp import parse_layout
+from .report import emit, machine, machine_line, table
 
 __all__ = ["JOBS", "add_arguments", "run"]
 
+WORKER = "slipstream.bench.workers.megatron"
 JOBS = (("gloo", False), ("slipstream", False), ("slipstream", True))  # (backend, packed); the first is stock
 
 
@@ -84,20 +81,17 @@ def _name(job: dict) -> str:
 
 
 def _table(records: list[dict]) -> str:
-    rows = ["| layout | TP x DP | params | job | step (s) | ratio | loss diff | fast paths |",
-            "|---|---|---:|---|---:|---:|---:|---|"]
-    for r in records:
-        for j in r["jobs"]:
-            paths = ", ".join(f"{op}: {'/'.join(sorted(p))}" for op, p in sorted(j["comm_paths"].items())) or "-"
-            rows.append(f"| {r['layout']} | {r['tp']} x {r['dp']} | {r['params'] / 1e6:.1f} M | {_name(j)} | "
-                        f"{j['step_s']:.3f} | {j['ratio']:.2f}x | {j['max_rel_loss_diff']:.1e} | {paths} |")
-    return "\n".join(rows)
+    rows = [[r["layout"], f"{r['tp']} x {r['dp']}", f"{r['params'] / 1e6:.1f} M", _name(j), f"{j['step_s']:.3f}",
+             f"{j['ratio']:.2f}x", f"{j['max_rel_loss_diff']:.1e}",
+             ", ".join(f"{op}: {'/'.join(sorted(p))}" for op, p in sorted(j["comm_paths"].items())) or "-"]
+            for r in records for j in r["jobs"]]
+    return "\n".join(table(["layout", "TP x DP", "params", "job", "step (s)", "ratio", "loss diff", "fast paths"],
+                           "llrlrrrl", rows))
 
 
-def _report(records: list[dict], machine: dict, command: str) -> str:
-    from ._megatron_worker import CPU_WORKAROUNDS
+def _report(records: list[dict], m: dict, command: str) -> str:
+    from .workers.megatron import CPU_WORKAROUNDS
 
-    m = machine
     return "\n".join([
         machine_line(m, f"megatron-core {_megatron_version()}"),
         f"command: {command}",
@@ -134,19 +128,13 @@ def run(args: argparse.Namespace) -> int:
     command = _command(args)
     sys.stdout.write(command + "\n")
     records = []
-    with tempfile.TemporaryDirectory(prefix="slipstream-bench-megatron-") as tmp:
-        for tp in tps:
-            jobs = []
-            for backend, packed in JOBS:
-                out = os.path.join(tmp, "raw.json")
-                worker = ["-m", "slipstream.bench._megatron_worker", "--out", out, "--backend", backend,
-                          "--tp", str(tp), "--max-length", str(args.max_length), "--batch", str(args.batch),
-                          "--steps", str(args.steps), "--warmup", str(args.warmup), "--hidden", str(args.hidden),
-                          "--layers", str(args.layers), "--heads", str(args.heads), "--samples", str(args.samples)]
-                worker += ["--packed"] * packed + (["--data", args.data] if args.data else [])
-                launch(worker, spec, timeout=args.timeout)
-                with open(out) as f:
-                    jobs.append(json.load(f))
-            records.append(_record(args.layout, jobs))
-    emit(_report(records, _machine(), command), records, args)
+    for tp in tps:
+        argv = ["--tp", str(tp), "--max-length", str(args.max_length), "--batch", str(args.batch),
+                "--steps", str(args.steps), "--warmup", str(args.warmup), "--hidden", str(args.hidden),
+                "--layers", str(args.layers), "--heads", str(args.heads), "--samples", str(args.samples)]
+        argv += ["--data", args.data] if args.data else []
+        jobs = [launch_worker(WORKER, [*argv, "--backend", backend, *["--packed"] * packed], spec, timeout=args.timeout)
+                for backend, packed in JOBS]
+        records.append(_record(args.layout, jobs))
+    emit(_report(records, machine(), command), records, args)
     return 0

@@ -18,15 +18,12 @@ the rate its connections can get: min(link, ranks per node x K x per-connection 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import sys
-import tempfile
 
-from slipstream.bench.comm import _format_size, _machine, parse_size
-from slipstream.cluster import ClusterSpec, launch, parse_rate
-from ._output import emit, machine_line
+from slipstream.cluster import ClusterSpec, parse_rate
+from slipstream.cluster.worker import launch_worker
+from .report import emit, format_size, machine, machine_line, parse_size, table
 
 __all__ = ["add_arguments", "run"]
 
@@ -94,23 +91,20 @@ def _records(raw: dict, spec: ClusterSpec) -> list[dict]:
 
 def _table(records: list[dict]) -> str:
     base = next((r["time_s"] for r in records if r["connections"] == 1), None)
-    rows = ["| impl | time (ms) | on the link (Gbit/s) | bound (ms) | of bound | vs K=1 |",
-            "|---|---:|---:|---:|---:|---:|"]
-    for r in records:
-        name = "gloo (uncapped ports)" if r["impl"] == "gloo" else f"MultiConnInter {r['impl']}"
-        ratio = f"{base / r['time_s']:.2f}x" if base else ""
-        rows.append(f"| {name} | {r['time_s'] * 1e3:.4g} | {r['link_gbitps']:.3f} | {r['bound_s'] * 1e3:.4g} | "
-                    f"{r['bound_s'] / r['time_s']:.0%} | {ratio} |")
-    return "\n".join(rows)
+    rows = [["gloo (uncapped ports)" if r["impl"] == "gloo" else f"MultiConnInter {r['impl']}",
+             f"{r['time_s'] * 1e3:.4g}", f"{r['link_gbitps']:.3f}", f"{r['bound_s'] * 1e3:.4g}",
+             f"{r['bound_s'] / r['time_s']:.0%}", f"{base / r['time_s']:.2f}x" if base else ""] for r in records]
+    return "\n".join(table(["impl", "time (ms)", "on the link (Gbit/s)", "bound (ms)", "of bound", "vs K=1"],
+                           "lrrrrr", rows))
 
 
-def _report(records: list[dict], machine: dict, command: str, spec: ClusterSpec) -> str:
-    m, r = machine, records[0]
+def _report(records: list[dict], m: dict, command: str, spec: ClusterSpec) -> str:
+    r = records[0]
     return "\n".join([
         machine_line(m),
         f"command: {command}",
         f"layout: {spec.nodes} emulated nodes x {spec.ranks_per_node} ranks, link {spec.link} each way, "
-        f"{spec.per_connection_rate} per connection on capped ports; allreduce of {_format_size(r['size_bytes'])} "
+        f"{spec.per_connection_rate} per connection on capped ports; allreduce of {format_size(r['size_bytes'])} "
         "fp32 per rank among its peers on the other nodes; time = median of the slowest rank; "
         "on the link = bytes out of each node / time; bound = those bytes / the rate the connections can get",
         "",
@@ -121,18 +115,14 @@ def _report(records: list[dict], machine: dict, command: str, spec: ClusterSpec)
 
 def run(args: argparse.Namespace) -> int:
     spec, size, counts = _validate(args)
-    machine, command = _machine(), _command(args)
+    m, command = machine(), _command(args)
     sys.stdout.write(command + "\n")
     sys.stdout.flush()
-    with tempfile.TemporaryDirectory(prefix="slipstream-bench-") as tmp:
-        out = os.path.join(tmp, "raw.json")
-        worker = ["-m", "slipstream.bench._transport_worker", "--out", out, "--size", str(size),
-                  "--connections", ",".join(map(str, counts)), "--iters", str(args.iters),
-                  "--warmup", str(args.warmup), "--port-base", str(args.port_base)]
-        launch(worker, spec, env={"OMP_NUM_THREADS": "1"}, timeout=args.timeout)
-        with open(out) as f:
-            raw = json.load(f)
+    argv = ["--size", str(size), "--connections", ",".join(map(str, counts)), "--iters", str(args.iters),
+            "--warmup", str(args.warmup), "--port-base", str(args.port_base)]
+    raw = launch_worker("slipstream.bench.workers.transport", argv, spec, env={"OMP_NUM_THREADS": "1"},
+                        timeout=args.timeout)
     records = _records(raw, spec)
-    report = _report(records, machine, command, spec)
+    report = _report(records, m, command, spec)
     emit(report, records, args)
     return 0

@@ -48,7 +48,6 @@ import argparse
 import copy
 import os
 import platform
-import random
 import statistics
 import sys
 import time
@@ -56,10 +55,11 @@ from typing import Any
 
 import torch
 
+from slipstream.cluster.worker import turns
 from slipstream.core_compile import FlattenCollator, VarlenConfig, apply_varlen
-from slipstream.recipes.alpaca import pad_batch
+from slipstream.recipes.alpaca import alpaca_samples, pad_batch
 
-from ._output import cpu_model, emit
+from .report import cpu_model, emit, table
 
 __all__ = ["CASES", "add_arguments", "run"]
 
@@ -86,12 +86,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _data(args) -> tuple[list[dict], Any]:
-    from slipstream.recipes import generate_alpaca, load_alpaca, load_tokenizer, tokenize_alpaca
+    from slipstream.recipes import load_tokenizer
 
-    records = load_alpaca(args.data) if args.data else generate_alpaca(1000, seed=args.seed)
     tokenizer = load_tokenizer(args.tokenizer, vocab_size=args.vocab_size)
-    samples = [s for s in tokenize_alpaca(records, tokenizer, max_length=args.max_length) if s["input_ids"]]
-    random.Random(args.seed).shuffle(samples)
+    samples, _ = alpaca_samples(tokenizer, data=args.data, seed=args.seed, max_length=args.max_length, shuffle=True)
     return samples, tokenizer
 
 
@@ -230,8 +228,7 @@ def _time_steps(args, models, inputs, device) -> tuple[dict[str, list[float]], d
     times: dict[str, list[float]] = {name: [] for name in CASES}
     cpu_times: dict[str, list[float]] = {name: [] for name in CASES}
     for i in range(1, len(inputs["padded"])):
-        k = i % len(CASES)
-        for name in CASES[k:] + CASES[:k]:
+        for name in turns(CASES, i):
             seconds, cpu = _step(models[name], opts[name], inputs[name][i], device, args.repeats)
             if i > args.warmup:
                 times[name].append(seconds)
@@ -330,19 +327,16 @@ def _markdown(r: dict[str, Any]) -> str:
     e, x = r["environment"], r["exactness"]["cases"]
     mem_label = "peak GPU memory of a step" if e["device"].startswith("cuda") else "activations saved for backward"
     mib = 2**20
-    rows = [
-        "| case | median step (s) | real tokens/s | padded tokens/s | padded time / case time | memory (MiB) | "
-        "loss | loss rel diff | grads allclose |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
-    ]
+    rows = []
     for name in CASES:
         c, v = r["cases"][name], x[name]
         ratio = f"{c['vs_padded']['time_ratio']:.3f}" if "vs_padded" in c else "1"
-        diff = f"{v['loss_rel_diff']:.2e} | {v['grads_allclose_rtol1e-4_atol1e-6']}" if name != "padded" else "ref | ref"
-        rows.append(
-            f"| {name} | {c['step_seconds_median']:.3f} | {c['real_tokens_per_s']:.0f} | "
-            f"{c['padded_tokens_per_s']:.0f} | {ratio} | {v['memory_bytes'] / mib:.1f} | {v['loss']:.6f} | {diff} |"
-        )
+        diff = [f"{v['loss_rel_diff']:.2e}", v["grads_allclose_rtol1e-4_atol1e-6"]] if name != "padded" else ["ref"] * 2
+        rows.append([name, f"{c['step_seconds_median']:.3f}", f"{c['real_tokens_per_s']:.0f}",
+                     f"{c['padded_tokens_per_s']:.0f}", ratio, f"{v['memory_bytes'] / mib:.1f}", f"{v['loss']:.6f}",
+                     *diff])
+    rows = table(["case", "median step (s)", "real tokens/s", "padded tokens/s", "padded time / case time",
+                  "memory (MiB)", "loss", "loss rel diff", "grads allclose"], "lrrrrrrrl", rows)
     ratios = []
     for name in CASES[1:]:
         q = r["cases"][name]["vs_padded"]

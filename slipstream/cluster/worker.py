@@ -1,10 +1,95 @@
-"""The end of a worker process that one of slipstream's commands launched."""
+"""The ranks slipstream's commands launch: the life of one (:func:`run_worker`), the
+launching side (:func:`launch_worker`), and the measurement every benchmark rank shares.
+
+A worker module is a body and one call::
+
+    def body(args) -> dict: ...      # on every rank; rank 0's return value is the result
+
+    if __name__ == "__main__":
+        run_worker(body, options=add_options)
+
+and a command runs it with ``launch_worker("slipstream.bench.workers.comm", argv, spec)``,
+which returns that result. :func:`run_worker` parses ``--out`` and the worker's options, sets torch's threads, joins the
+process group, runs the body, has rank 0 write its result as JSON to ``--out``, and ends the
+process with :func:`leave`. Benchmarks time calls in turns (:func:`in_turns`), each from a
+barrier (:func:`time_from_barrier`), and keep the slowest rank's times (:func:`slowest`).
+"""
 
 from __future__ import annotations
 
+import argparse
 import atexit
+import json
 import os
 import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .emulated import ClusterSpec, launch
+
+__all__ = ["cores_per_rank", "in_turns", "launch_worker", "leave", "run_worker", "slowest", "time_from_barrier",
+           "turns"]
+
+
+def launch_worker(module: str, argv: Sequence[str], spec: ClusterSpec, *, env: Mapping[str, str] | None = None,
+                  timeout: float | None = None, out: str | Path | None = None) -> Any:
+    """Run worker ``module`` (``python -m``, see :func:`run_worker`) with ``argv`` on the ranks
+    of ``spec`` (:func:`~slipstream.cluster.launch`); return the result rank 0 wrote to ``out``
+    (default: a temporary file)."""
+    with tempfile.TemporaryDirectory(prefix="slipstream-worker-") as tmp:
+        path = Path(out) if out is not None else Path(tmp) / "result.json"
+        launch(["-m", module, *argv, "--out", str(path)], spec, env=env, timeout=timeout)
+        return json.loads(path.read_text())
+
+
+def cores_per_rank() -> int:
+    """The machine's cores shared among this node's ranks (``LOCAL_WORLD_SIZE``), at least 1."""
+    return max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
+def run_worker(body: Callable[[argparse.Namespace], Any], *,
+               options: Callable[[argparse.ArgumentParser], None] | None = None,
+               group: str | Callable[[argparse.Namespace], Any] | None = "gloo",
+               threads: int | Callable[[], int] | None = 1,
+               destroy_group: bool | Callable[[argparse.Namespace], bool] = True,
+               argv: Sequence[str] | None = None) -> None:
+    """The whole life of a rank; it never returns.
+
+    ``options`` adds the worker's own arguments to the parser (``--out`` is always there).
+    ``threads``: torch's intra-op threads, a number or a function giving one (after
+    ``OMP_NUM_THREADS`` defaults to 1), or None to keep torch's own. ``group``: the backend
+    of the default process group, a function of the arguments that joins it (a stack that
+    initialises it itself), or None for a process without one. ``destroy_group`` (or a
+    function of the arguments saying so): destroy the group at the end; else the ranks meet
+    at a barrier and leave without tearing it down (for an extension that aborts in it)."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True, help="rank 0 writes the result here, as JSON")
+    if options is not None:
+        options(parser)
+    args = parser.parse_args(argv)
+    if threads is not None:
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        torch.set_num_threads(threads() if callable(threads) else threads)
+    if isinstance(group, str):
+        dist.init_process_group(group)
+    elif group is not None:
+        group(args)
+    result = body(args)
+    if int(os.environ.get("RANK", "0")) == 0:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2) + "\n")
+    if dist.is_initialized():
+        if destroy_group(args) if callable(destroy_group) else destroy_group:
+            dist.destroy_process_group()
+        else:
+            dist.barrier()
+    leave()
 
 
 def leave(code: int = 0) -> None:
@@ -18,3 +103,47 @@ def leave(code: int = 0) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def turns(names: Sequence[str], i: int) -> list[str]:
+    """``names`` in the order of turn ``i``: rotated by ``i``, so that each goes first in turn
+    and a slow spell of a shared machine hits all of them."""
+    k = i % len(names)
+    return list(names[k:]) + list(names[:k])
+
+
+def time_from_barrier(call: Callable[[], Any], reps: int = 1) -> float:
+    """Seconds per call on this rank, from a barrier of the world to the end of ``reps``
+    back-to-back calls of ``call``."""
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(reps):
+        call()
+    return (time.perf_counter() - start) / reps
+
+
+def slowest(times: Mapping[str, Sequence[float]]) -> dict[str, list[float]]:
+    """Each entry of every list of ``times`` on the slowest rank (one all-reduce MAX over the
+    world; every rank passes lists of the same lengths)."""
+    names = list(times)
+    t = torch.tensor([list(times[name]) for name in names], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return {name: t[k].tolist() for k, name in enumerate(names)}
+
+
+def in_turns(calls: Mapping[str, Callable[[], float]], iters: int, warmup: int = 0,
+             after: Callable[[int, dict[str, list[float]]], None] | None = None) -> dict[str, list[float]]:
+    """Each of ``calls`` (a function returning the seconds it measured) ``warmup`` times
+    untimed, then ``iters`` times in :func:`turns`; ``after(i, times)`` follows iteration ``i``.
+    Returns the slowest rank's seconds, per call and iteration."""
+    names = list(calls)
+    for _ in range(warmup):
+        for name in names:
+            calls[name]()
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for i in range(iters):
+        for name in turns(names, i):
+            times[name].append(calls[name]())
+        if after is not None:
+            after(i, times)
+    return slowest(times)

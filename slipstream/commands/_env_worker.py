@@ -7,20 +7,20 @@ tuned plan (cache, else cost model) and has rank 0 write it all as JSON to ``--o
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
 
+from slipstream.cluster.worker import run_worker
 from slipstream.core_comm import Communicator, pool
 from slipstream.core_comm.topology import host_identity, node_key_from_env
-from slipstream.plugins.deepspeed.translate import zero_buckets
-from slipstream.plugins.fsdp.translate import wrap_policy_kwargs
+from slipstream.core_comm.tuner.measure import collective_buffers
 from slipstream.core_comm.ops import KINDS
 from slipstream.core_comm.tuner import TuneKey, default_cache_dir, load_plan
-from slipstream.core_comm.tuner.measure import _buffers
+from slipstream.plugins.deepspeed.translate import zero_buckets
+from slipstream.plugins.fsdp.translate import wrap_policy_kwargs
 
 _PROBE_SIZES = (4 << 10, 1 << 20, 64 << 20)  # full buffers, as `slipstream bench comm`
 
@@ -61,7 +61,7 @@ def _routes(comm: Communicator, plan) -> list[dict]:
     rows = []
     for kind in KINDS:
         for nbytes in _PROBE_SIZES:
-            _, inp = _buffers(kind, nbytes, torch.float32, comm.world)
+            _, inp = collective_buffers(kind, nbytes, torch.float32, comm.world)
             comm.plan = None
             algo, why = comm.algorithm(inp, kind=kind)
             comm.plan = plan
@@ -74,14 +74,11 @@ def _routes(comm: Communicator, plan) -> list[dict]:
     return rows
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
+def options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache-dir")
-    args = parser.parse_args()
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+
+def probe(args: argparse.Namespace) -> dict:
     comm = pool.get(None)
     topo = comm.topology
     ranks: list = [None] * comm.world
@@ -106,16 +103,9 @@ def main() -> None:
                   "choices": [{k: r[k] for k in ("kind", "dtype", "nbytes", "algorithm", "chunk_bytes", "source")}
                               for r in plan.rows()]},
     }
-    if dist.get_rank() == 0:
-        with open(args.out, "w") as f:
-            json.dump(result, f)
     comm.close()
-    dist.destroy_process_group()
+    return result
 
 
 if __name__ == "__main__":
-    from slipstream.cluster.worker import leave
-
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    main()
-    leave()
+    run_worker(probe, options=options)

@@ -9,25 +9,21 @@ barrier, the slowest rank's time kept; at least ``--iters`` calls each, more for
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import time
+from functools import partial
 
 import torch
-import torch.distributed as dist
 
+from slipstream.cluster.worker import in_turns, run_worker, slowest, time_from_barrier
 from slipstream.core_comm import Communicator
 from slipstream.core_comm.ops import KINDS
 from slipstream.core_comm.tuner import Tuner
-from slipstream.core_comm.tuner.measure import _buffers, _call
+from slipstream.core_comm.tuner.measure import call_collective, collective_buffers
 
 
 def _once(comm: Communicator, plan, kind: str, out: torch.Tensor, inp: torch.Tensor) -> float:
     comm.plan = plan
-    dist.barrier()
-    t0 = time.perf_counter()
-    _call(comm, kind, out, inp)
-    return time.perf_counter() - t0
+    return time_from_barrier(lambda: call_collective(comm, kind, out, inp))
 
 
 def _compare(default: Communicator, tuned: Communicator, plan, sizes: list[int], iters: int) -> list[dict]:
@@ -36,18 +32,13 @@ def _compare(default: Communicator, tuned: Communicator, plan, sizes: list[int],
     runs = {"default": (default, None), "tuned": (tuned, plan)}
     for kind in KINDS:
         for nbytes in sizes:
-            out, inp = _buffers(kind, nbytes, torch.float32, default.world)
+            out, inp = collective_buffers(kind, nbytes, torch.float32, default.world)
             out.zero_(), inp.zero_()
-            times = {name: [] for name in runs}
-            warm = torch.tensor([_once(*runs[name], kind, out, inp) for name in runs], dtype=torch.float64)
-            dist.all_reduce(warm, op=dist.ReduceOp.MAX)
+            calls = {name: partial(_once, *runs[name], kind, out, inp) for name in runs}
+            warm = slowest({name: [call()] for name, call in calls.items()})
             # Small sizes are noisy (4 ranks share 2 cores): about 2 s of calls per side.
-            n = max(iters, min(2000, int(2.0 / warm.max().item())))
-            for i in range(n):
-                for name in (("default", "tuned") if i % 2 == 0 else ("tuned", "default")):
-                    times[name].append(_once(*runs[name], kind, out, inp))
-            slowest = torch.tensor([times["default"], times["tuned"]], dtype=torch.float64)
-            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+            n = max(iters, min(2000, int(2.0 / max(t for (t,) in warm.values()))))
+            times = in_turns(calls, n)
             full = out if kind == "all_gather" else inp
             default.plan = None
             default_algo, _ = default.algorithm(inp, kind=kind)
@@ -58,23 +49,20 @@ def _compare(default: Communicator, tuned: Communicator, plan, sizes: list[int],
                                 default_algorithm=default_algo,
                                 tuned_algorithm=tuned_algo,
                                 tuned_chunk_bytes=choice.chunk_bytes if choice else None,
-                                default_times_s=slowest[0].tolist(), tuned_times_s=slowest[1].tolist()))
+                                default_times_s=times["default"], tuned_times_s=times["tuned"]))
     return records
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
+def options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--budget", type=float, required=True)
     parser.add_argument("--dtypes", required=True)
     parser.add_argument("--cache-dir")
     parser.add_argument("--force", action="store_true")
     parser.add_argument("--compare", default="", help="full-buffer bytes, comma-separated")
     parser.add_argument("--iters", type=int, default=10)
-    args = parser.parse_args()
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+
+def tune(args: argparse.Namespace) -> dict:
     default = Communicator(None)
     t0 = time.perf_counter()
     dtypes = tuple(getattr(torch, d) for d in args.dtypes.split(","))
@@ -88,19 +76,11 @@ def main() -> None:
         compare = _compare(default, tuned, plan, [int(s) for s in args.compare.split(",")], args.iters)
         if tuned is not default:
             tuned.close()
-    if dist.get_rank() == 0:
-        topo = default.topology
-        with open(args.out, "w") as f:
-            json.dump(dict(plan=plan.to_json(), source=plan.source, tune_s=tune_s, world_size=default.world,
-                           node_sizes=list(topo.node_sizes), unavailable=default.unavailable,
-                           compare=compare), f)
+    result = dict(plan=plan.to_json(), source=plan.source, tune_s=tune_s, world_size=default.world,
+                  node_sizes=list(default.topology.node_sizes), unavailable=default.unavailable, compare=compare)
     default.close()
-    dist.destroy_process_group()
+    return result
 
 
 if __name__ == "__main__":
-    from slipstream.cluster.worker import leave
-
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    main()
-    leave()
+    run_worker(tune, options=options)

@@ -14,10 +14,12 @@ import json
 import os
 import platform
 import sys
-import tempfile
 from importlib import metadata
 
-from slipstream.cluster import ClusterSpec, launch
+import slipstream
+from slipstream.bench.report import format_size
+from slipstream.cluster import ClusterSpec
+from slipstream.cluster.worker import launch_worker
 
 __all__ = ["add_arguments", "run", "versions"]
 
@@ -40,8 +42,6 @@ def versions() -> dict[str, str | None]:
     """Python, torch, slipstream and the optional stacks (None: not installed)."""
     import torch
 
-    import slipstream
-
     out: dict[str, str | None] = {"python": platform.python_version(), "torch": torch.__version__,
                                   "slipstream": slipstream.__version__}
     for name in _OPTIONAL:
@@ -52,13 +52,6 @@ def versions() -> dict[str, str | None]:
     return out
 
 
-def _size(n: int) -> str:
-    for shift, unit in ((20, "MiB"), (10, "KiB")):
-        if n >= 1 << shift and n % (1 << shift) == 0:
-            return f"{n >> shift} {unit}"
-    return f"{n} B"
-
-
 def _choice_ranges(choices: list[dict], world: int) -> list[tuple[str, str]]:
     """Per collective, runs of sizes (full buffers) with the same choice: '4 KiB-64 KiB stock; ...'."""
     out: dict[str, list] = {}
@@ -66,13 +59,13 @@ def _choice_ranges(choices: list[dict], world: int) -> list[tuple[str, str]]:
         if c["dtype"] not in ("any", "float32"):
             continue
         full = c["nbytes"] * (world if c["kind"] == "all_gather" else 1)
-        name = c["algorithm"] + (f"/{_size(c['chunk_bytes'])}" if c["chunk_bytes"] else "")
+        name = c["algorithm"] + (f"/{format_size(c['chunk_bytes'])}" if c["chunk_bytes"] else "")
         runs = out.setdefault(c["kind"], [])
         if runs and runs[-1][2] == name:
             runs[-1][1] = full
         else:
             runs.append([full, full, name])
-    return [(kind, "; ".join(f"{_size(lo)}-{_size(hi)} {name}" if lo != hi else f"{_size(lo)} {name}"
+    return [(kind, "; ".join(f"{format_size(lo)}-{format_size(hi)} {name}" if lo != hi else f"{format_size(lo)} {name}"
                              for lo, hi, name in runs)) for kind, runs in out.items()]
 
 
@@ -89,8 +82,8 @@ def _text(r: dict) -> str:
     lines.append("routes (float32, SUM; built-in rules -> with the tuned plan):")
     for x in r["routes"]:
         why = f" ({x['reason']})" if x["reason"] else ""
-        chunk = f"/{_size(x['tuned_chunk_bytes'])}" if x["tuned_chunk_bytes"] else ""
-        lines.append(f"  {x['kind']:<15} {_size(x['size_bytes']):>8}: {x['algorithm']}{why} -> "
+        chunk = f"/{format_size(x['tuned_chunk_bytes'])}" if x["tuned_chunk_bytes"] else ""
+        lines.append(f"  {x['kind']:<15} {format_size(x['size_bytes']):>8}: {x['algorithm']}{why} -> "
                      f"{x['tuned_algorithm']}{chunk}" + (f" ({x['tuned_reason']})" if x["tuned_reason"] else ""))
     b = tuned["buckets"]
     cache = tuned["cache_file"] if os.path.exists(tuned["cache_file"]) else \
@@ -116,20 +109,13 @@ def run(args: argparse.Namespace) -> int:
         spec = ClusterSpec(nodes=args.nodes, ranks_per_node=args.ranks_per_node, link=args.link)
     except ValueError as e:
         raise SystemExit(str(e)) from e
-    with tempfile.TemporaryDirectory(prefix="slipstream-env-") as tmp:
-        out = os.path.join(tmp, "env.json")
-        worker = ["-m", "slipstream.commands._env_worker", "--out", out]
-        worker += ["--cache-dir", os.path.abspath(args.cache_dir)] if args.cache_dir else []
-        # With --json, stdout carries only the JSON: the ranks' output goes to stderr.
-        with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
-            launch(worker, spec, timeout=args.timeout)
-        with open(out) as f:
-            result = json.load(f)
+    argv = ["--cache-dir", os.path.abspath(args.cache_dir)] if args.cache_dir else []
+    # With --json, stdout carries only the JSON: the ranks' output goes to stderr.
+    with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
+        result = launch_worker("slipstream.commands._env_worker", argv, spec, timeout=args.timeout)
     result["launch"] = {"nodes": spec.nodes, "ranks_per_node": spec.ranks_per_node, "link": spec.link}
     result["versions"] = versions()
-    from slipstream._status import _autoload
-
-    result["autoload"] = _autoload()
+    result["autoload"] = slipstream.status()["autoload"]
     if args.json:
         json.dump(result, sys.stdout, indent=1)
         sys.stdout.write("\n")

@@ -14,13 +14,12 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 
 import torch
 
-from slipstream.bench.comm import _format_size, _machine, parse_size
-from slipstream.bench._output import machine_line
-from slipstream.cluster import ClusterSpec, launch
+from slipstream.bench.report import emit, format_size, machine, machine_line, parse_size, table
+from slipstream.cluster import ClusterSpec
+from slipstream.cluster.worker import launch_worker
 from slipstream.plugins.deepspeed.translate import zero_buckets
 from slipstream.plugins.fsdp.translate import wrap_policy_kwargs
 
@@ -60,17 +59,17 @@ def _choices_table(result: dict) -> str:
 
     plan = TunedPlan.from_json(result["plan"])
     world = result["world_size"]
-    rows = ["| op | size (full buffer) | dtype | choice | source | time (ms) | default | default (ms) "
-            "| vs default | candidates (ms) |", "|---|---:|---|---|---|---:|---|---:|---:|---|"]
+    rows = []
     for r in plan.rows():
         full = r["nbytes"] * (world if r["kind"] == "all_gather" else 1)
-        choice = r["algorithm"] + (f" / {_format_size(r['chunk_bytes'])}" if r["chunk_bytes"] else "")
+        choice = r["algorithm"] + (f" / {format_size(r['chunk_bytes'])}" if r["chunk_bytes"] else "")
         ratio = f"{r['default_time_s'] / r['time_s']:.2f}x" if r["time_s"] and r["default_time_s"] else ""
         cands = ", ".join(f"{k} {_ms(v)}" for k, v in r["times_s"].items())
-        rows.append(f"| {r['kind']} | {_format_size(full)} | {r['dtype']} | {choice} | {r['source']} | "
-                    f"{_ms(r['time_s'])} | {r['default']} | {_ms(r['default_time_s'])} | {ratio} | {cands} |")
+        rows.append([r["kind"], format_size(full), r["dtype"], choice, r["source"], _ms(r["time_s"]), r["default"],
+                     _ms(r["default_time_s"]), ratio, cands])
     b = plan.buckets
-    return "\n".join(rows + [
+    return "\n".join(table(["op", "size (full buffer)", "dtype", "choice", "source", "time (ms)", "default",
+                            "default (ms)", "vs default", "candidates (ms)"], "lrlllrlrrl", rows) + [
         "", f"connections per inter-node peer: {plan.connections}"
         + (f" (8 MiB allreduce ms by count: {', '.join(f'{k}: {_ms(v)}' for k, v in plan.connection_times_s.items())})"
            if plan.connection_times_s else "") + f"; plan {result['source']} "
@@ -80,15 +79,15 @@ def _choices_table(result: dict) -> str:
 
 
 def _compare_table(records: list[dict]) -> str:
-    rows = ["| op | size | default | default (ms) | tuned | tuned (ms) | tuned / default |",
-            "|---|---:|---|---:|---|---:|---:|"]
+    rows = []
     for r in records:
         d, t = statistics.median(r["default_times_s"]), statistics.median(r["tuned_times_s"])
-        tuned = r["tuned_algorithm"] + (f" / {_format_size(r['tuned_chunk_bytes'])}" if r["tuned_chunk_bytes"] else "")
-        rows.append(f"| {r['kind']} | {_format_size(r['size_bytes'])} | {r['default_algorithm']} | {_ms(d)} | "
-                    f"{tuned} | {_ms(t)} | {t / d:.3f} |")
+        tuned = r["tuned_algorithm"] + (f" / {format_size(r['tuned_chunk_bytes'])}" if r["tuned_chunk_bytes"] else "")
+        rows.append([r["kind"], format_size(r["size_bytes"]), r["default_algorithm"], _ms(d), tuned, _ms(t),
+                     f"{t / d:.3f}"])
     worst = max(statistics.median(r["tuned_times_s"]) / statistics.median(r["default_times_s"]) for r in records)
-    return "\n".join(rows + ["", f"worst tuned / default: {worst:.3f} (target <= 1.05)"])
+    return "\n".join(table(["op", "size", "default", "default (ms)", "tuned", "tuned (ms)", "tuned / default"],
+                           "lrlrlrr", rows) + ["", f"worst tuned / default: {worst:.3f} (target <= 1.05)"])
 
 
 def run(args: argparse.Namespace) -> int:
@@ -102,31 +101,23 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(str(e)) from e
     if bad := [d for d in dtypes if not isinstance(getattr(torch, d, None), torch.dtype)]:
         raise SystemExit(f"not torch dtype names: {bad}")
-    with tempfile.TemporaryDirectory(prefix="slipstream-tune-") as tmp:
-        out = os.path.join(tmp, "result.json")
-        worker = ["-m", "slipstream.commands._tune_worker", "--out", out, "--budget", str(args.budget),
-                  "--dtypes", args.dtypes, "--compare", ",".join(map(str, sizes)), "--iters", str(args.iters)]
-        worker += ["--cache-dir", os.path.abspath(args.cache_dir)] if args.cache_dir else []
-        worker += ["--force"] if args.force else []
-        # With --json, stdout carries only the JSON: the ranks' output goes to stderr.
-        with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
-            launch(worker, spec, timeout=args.timeout)
-        with open(out) as f:
-            result = json.load(f)
+    argv = ["--budget", str(args.budget), "--dtypes", args.dtypes, "--compare", ",".join(map(str, sizes)),
+            "--iters", str(args.iters)]
+    argv += ["--cache-dir", os.path.abspath(args.cache_dir)] if args.cache_dir else []
+    argv += ["--force"] if args.force else []
+    # With --json, stdout carries only the JSON: the ranks' output goes to stderr.
+    with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
+        result = launch_worker("slipstream.commands._tune_worker", argv, spec, timeout=args.timeout)
     if args.json:
         json.dump(result, sys.stdout, indent=1)
         sys.stdout.write("\n")
         return 0
-    m = _machine()
     report = "\n".join([
-        machine_line(m),
+        machine_line(machine()),
         f"command: {_command(args)}",
         f"layout: {spec.nodes} node(s) x {spec.ranks_per_node} ranks" + (f", link {spec.link}" if spec.link else "")
         + (f"; fast paths off: {result['unavailable']}" if result["unavailable"] else ""),
         "", _choices_table(result), "",
     ] + ([_compare_table(result["compare"]), ""] if result["compare"] else []))
-    sys.stdout.write(report)
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write(report)
+    emit(report, result, args)
     return 0

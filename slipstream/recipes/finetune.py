@@ -11,10 +11,10 @@ import json
 import sys
 from pathlib import Path
 
-from ..cluster import ClusterSpec, launch
+from ..cluster import ClusterSpec
+from ..cluster.worker import launch_worker
 
-WORKER = "slipstream.recipes._deepspeed_worker"
-WORKERS = {"deepspeed": WORKER, "fsdp": "slipstream.recipes._fsdp_worker"}
+WORKERS = {"deepspeed": "slipstream.recipes._deepspeed_worker", "fsdp": "slipstream.recipes._fsdp_worker"}
 # Options handed to every rank unchanged: (flag, attribute).
 _PASSED = [("--model", "model"), ("--tokenizer", "tokenizer"), ("--data", "data"), ("--samples", "samples"),
            ("--max-length", "max_length"), ("--steps", "steps"), ("--zero", "zero"),
@@ -121,12 +121,12 @@ def _runs(args) -> list[tuple[str, str, bool]]:
 
 
 def result_file(output_dir, impl: str, hsdp: bool = False) -> Path:
-    """Where a worker of ``impl`` (on an HSDP mesh or not) writes its summary."""
+    """Where the ranks of ``impl`` (on an HSDP mesh or not) write their summary."""
     return Path(output_dir) / f"{impl}{'-hsdp' * hsdp}.json"
 
 
 def _launch(args, impl: str, spec: ClusterSpec, hsdp: bool = False) -> dict:
-    argv = ["-m", WORKERS[getattr(args, "stack", "deepspeed")], "--impl", impl]
+    argv = ["--impl", impl]
     if getattr(args, "stack", "deepspeed") == "fsdp":
         argv += ["--hsdp"] * hsdp + ["--no-varlen"] * bool(args.no_varlen)
     argv += ["--compile"] * bool(getattr(args, "compile", False))
@@ -136,8 +136,7 @@ def _launch(args, impl: str, spec: ClusterSpec, hsdp: bool = False) -> dict:
             argv += [flag, str(value)]
     out = result_file(args.output_dir, impl, hsdp)
     out.unlink(missing_ok=True)
-    launch(argv, spec, timeout=args.timeout)
-    return json.loads(out.read_text())
+    return launch_worker(WORKERS[getattr(args, "stack", "deepspeed")], argv, spec, timeout=args.timeout, out=out)
 
 
 def _print_summary(r: dict) -> None:

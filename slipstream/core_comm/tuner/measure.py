@@ -22,7 +22,7 @@ class _Fixed:
         return self.choice
 
 
-def _buffers(kind: str, nbytes: int, dtype: torch.dtype, world: int):
+def collective_buffers(kind: str, nbytes: int, dtype: torch.dtype, world: int):
     """``(output, input)``, uninitialised, for a full buffer of ``nbytes``: allreduce's tensor,
     reduce-scatter's input, allgather's output (as ``bench comm``). Zero them before timing:
     sums of zeros stay finite."""
@@ -34,7 +34,7 @@ def _buffers(kind: str, nbytes: int, dtype: torch.dtype, world: int):
     return (small, full) if kind == "reduce_scatter" else (full, small)
 
 
-def _call(comm: Communicator, kind: str, out: torch.Tensor, inp: torch.Tensor) -> None:
+def call_collective(comm: Communicator, kind: str, out: torch.Tensor, inp: torch.Tensor) -> None:
     if kind == "all_reduce":
         comm.all_reduce(inp)
     elif kind == "reduce_scatter":

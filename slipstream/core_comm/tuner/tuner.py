@@ -33,7 +33,7 @@ from ..communicator import Communicator
 from ..config import CommConfig
 from ..ops import KINDS
 from ..routing import Choice
-from .measure import _buffers, _call, _candidates, _Fixed, _has_transport
+from .measure import _candidates, _Fixed, _has_transport, call_collective, collective_buffers
 from .model import _MODEL_BUCKETS, SIZE_CLASSES, _model_choice, model_plan
 from .plan import FORMAT, BucketSizes, Entry, TunedPlan, TuneKey, _label
 
@@ -198,7 +198,7 @@ class Tuner:
         name, entries, stopped = str(dtype).removeprefix("torch."), [], set()
         for nbytes in self.sizes:
             for kind in self.kinds:
-                out, inp = _buffers(kind, nbytes, dtype, comm.world)
+                out, inp = collective_buffers(kind, nbytes, dtype, comm.world)
                 default, others = _candidates(comm, kind, inp, self.chunks)
                 if default is None:
                     continue
@@ -274,7 +274,7 @@ class Tuner:
                 try:
                     dist.barrier(group=group)
                     t0 = time.perf_counter()
-                    _call(comm, kind, out, inp)
+                    call_collective(comm, kind, out, inp)
                     if r >= 0:
                         local[i, r] = time.perf_counter() - t0
                 finally:
@@ -295,7 +295,7 @@ class Tuner:
         comms = {k: comm if k == cfg.connections else
                  Communicator(comm.group, config=replace(cfg, connections=k), topology=comm.topology)
                  for k in counts}
-        out, inp = _buffers("all_reduce", 8 << 20, torch.float32, comm.world)
+        out, inp = collective_buffers("all_reduce", 8 << 20, torch.float32, comm.world)
         inp.zero_()
         calls = {str(k): (c, _Fixed(None), "all_reduce", out, inp) for k, c in comms.items()}
         times = self._timed(calls)

@@ -19,12 +19,13 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import random
 import time
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
+
+from slipstream.cluster.worker import run_worker
 
 WARM_STEPS = 2
 MIN_STEADY_STEPS = 5
@@ -66,10 +67,10 @@ def _resnet_factory(width: int):
             return lambda: torchvision.models.resnet50(num_classes=10), "torchvision.models.resnet50"
         except Exception as e:  # noqa: BLE001 - a CUDA-only torchvision fails in its _C, not at import
             why = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
-    from ._resnet import resnet50
+    from .resnet import resnet50
 
     return (lambda: resnet50(num_classes=10, width=width),
-            f"slipstream.bench._resnet (torchvision's architecture; torchvision not used: {why})")
+            f"slipstream.bench.workers.resnet (torchvision's architecture; torchvision not used: {why})")
 
 
 def _resnet(job: dict, device: torch.device) -> Workload:
@@ -116,12 +117,11 @@ def _llama(job: dict, device: torch.device) -> Workload:
     """The recipe's llama on alpaca samples, varlen pass + ``FlattenCollator`` (one packed row
     per step, its length changing every step), AdamW."""
     from slipstream.core_compile import FlattenCollator, apply_varlen
-    from slipstream.recipes import build_model, generate_alpaca, load_alpaca, load_tokenizer, tokenize_alpaca
+    from slipstream.recipes import build_model, load_tokenizer
+    from slipstream.recipes.alpaca import alpaca_samples
 
-    records = load_alpaca(job["data"]) if job["data"] else generate_alpaca(1000, seed=job["seed"])
     tokenizer = load_tokenizer(vocab_size=8192)
-    samples = [s for s in tokenize_alpaca(records, tokenizer, max_length=2048) if s["input_ids"]]
-    random.Random(job["seed"]).shuffle(samples)
+    samples, _ = alpaca_samples(tokenizer, data=job["data"], seed=job["seed"], max_length=2048, shuffle=True)
     b = job["batch_size"]
     n = min(len(samples) // b, job["steps"] + job["eager_steps"])
     if n < 1:
@@ -207,15 +207,10 @@ def measure(job: dict) -> dict:
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
+def options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--job", required=True, help="the job as JSON (see compile._job)")
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
-    record = measure(json.loads(args.job))
-    with open(args.out, "w") as f:
-        json.dump(record, f)
 
 
 if __name__ == "__main__":
-    main()
+    # a process of its own, no group: every core is the model's (torch's own thread count)
+    run_worker(lambda args: measure(json.loads(args.job)), options=options, group=None, threads=None)

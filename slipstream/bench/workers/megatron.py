@@ -16,15 +16,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import math
-import os
 import time
 
 import torch
 import torch.distributed as dist
 
 import slipstream  # noqa: F401 - registers the backend
+from slipstream.cluster.worker import cores_per_rank, run_worker, slowest
 
 CPU_WORKAROUNDS = (
     "torch.cuda.current_device() answers 'cpu' (megatron-core puts the rotary frequencies and "
@@ -71,9 +70,7 @@ def next_token_batch(samples: list[dict], pad_id: int) -> dict:
             "attention_mask": b["attention_mask"]}
 
 
-def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", required=True)
+def options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", choices=("gloo", "slipstream"), required=True)
     p.add_argument("--tp", type=int, required=True)
     p.add_argument("--packed", action="store_true")
@@ -88,26 +85,23 @@ def main() -> None:
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args()
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
-    dist.init_process_group(args.backend)
+
+
+def train(args: argparse.Namespace) -> dict:
     cpu_workarounds()
 
     from megatron.core import parallel_state
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     from slipstream.core_comm import counters
-    from slipstream.megatron import pack_batch
-    from slipstream.recipes._deepspeed_worker import load_samples, step_micro_batches
     from slipstream.recipes.tokenizer import load_tokenizer
+    from slipstream.recipes.training import micro_batches, training_samples
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tp)
     dp_group = parallel_state.get_data_parallel_group()
     dp_rank, dp_world = dist.get_rank(dp_group), dist.get_world_size(dp_group)
     tokenizer = load_tokenizer(None)
-    picks = argparse.Namespace(data=args.data, samples=args.samples, seed=args.seed, max_length=args.max_length,
-                               batch_size=args.batch, grad_accum=1)
-    samples = load_samples(picks, tokenizer)
+    samples = training_samples(args, tokenizer)
     vocab = math.ceil(len(tokenizer) / (128 * args.tp)) * 128 * args.tp  # Megatron pads the vocabulary so
     model, config = gpt(args.hidden, args.layers, args.heads, vocab, args.max_length, args.tp)
     params = sum(q.numel() for q in model.parameters())
@@ -117,52 +111,54 @@ def main() -> None:
     for step in range(args.warmup + args.steps):
         if step == args.warmup:
             counters.reset()
-        (micro,) = step_micro_batches(samples, step, picks, dp_rank, dp_world)
+        (micro,) = micro_batches(samples, step, dp_rank, dp_world, batch_size=args.batch, seed=args.seed)
         b = next_token_batch(micro, tokenizer.pad_token_id)
-        t0 = time.perf_counter()
-        if args.packed:
-            packed = pack_batch(b["tokens"], b["labels"], b["attention_mask"], b["loss_mask"])
-            mask = packed["loss_mask"]
-            per_token = model(packed["input_ids"], packed["position_ids"], None, labels=packed["labels"],
-                              packed_seq_params=packed["packed_seq_params"])
-        else:
-            s = b["tokens"].shape[1]
-            mask = b["loss_mask"]
-            causal = torch.triu(torch.ones(s, s, dtype=torch.bool), 1)[None, None]  # True: masked
-            per_token = model(b["tokens"], torch.arange(s).expand_as(b["tokens"]), causal, labels=b["labels"])
-        counts = torch.stack([mask.sum(), (per_token * mask).sum().detach()])
-        dist.all_reduce(counts, group=dp_group)  # the step's target tokens and loss sum, every DP rank
-        # Megatron's DDP divides each gradient by the DP size before summing: the loss over the
-        # step's tokens, times that size, gives the gradient of the step's mean loss
-        ((per_token * mask).sum() * (dp_world / counts[0])).backward()
-        model.finish_grad_sync()
-        for q in model.parameters():
-            q.grad = q.main_grad
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        model.zero_grad_buffer()
-        times.append(time.perf_counter() - t0)
-        losses.append((counts[1] / counts[0]).item())
+        seconds, loss = _step(model, opt, b, args.packed, dp_group)
+        times.append(seconds)
+        losses.append(loss)
         if step >= args.warmup:
             real += int(b["attention_mask"].sum())
             padded += b["attention_mask"].numel()
-    slowest = torch.tensor(times[args.warmup:], dtype=torch.float64)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     tokens = torch.tensor([real, padded], dtype=torch.float64)
     dist.all_reduce(tokens, group=dp_group)
-    if dist.get_rank() == 0:
-        with open(args.out, "w") as f:
-            json.dump(dict(backend=args.backend, tp=args.tp, dp=dp_world, packed=args.packed, params=params,
-                           times_s=slowest.tolist(), losses=losses, real_tokens=tokens[0].item(),
-                           padded_tokens=tokens[1].item(), comm_paths=counters.snapshot(),
-                           world_backend=dist.get_backend_config()), f)
+    result = dict(backend=args.backend, tp=args.tp, dp=dp_world, packed=args.packed, params=params,
+                  times_s=slowest({"step": times[args.warmup:]})["step"], losses=losses,
+                  real_tokens=tokens[0].item(), padded_tokens=tokens[1].item(), comm_paths=counters.snapshot(),
+                  world_backend=dist.get_backend_config())
     parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
+    return result
+
+
+def _step(model, opt, b: dict, packed: bool, dp_group) -> tuple[float, float]:
+    """Seconds of one training step on batch ``b`` (:func:`next_token_batch`) and its loss per
+    target token over every data-parallel rank."""
+    from slipstream.megatron import pack_batch
+
+    t0 = time.perf_counter()
+    if packed:
+        p = pack_batch(b["tokens"], b["labels"], b["attention_mask"], b["loss_mask"])
+        mask = p["loss_mask"]
+        per_token = model(p["input_ids"], p["position_ids"], None, labels=p["labels"],
+                          packed_seq_params=p["packed_seq_params"])
+    else:
+        s = b["tokens"].shape[1]
+        mask = b["loss_mask"]
+        causal = torch.triu(torch.ones(s, s, dtype=torch.bool), 1)[None, None]  # True: masked
+        per_token = model(b["tokens"], torch.arange(s).expand_as(b["tokens"]), causal, labels=b["labels"])
+    counts = torch.stack([mask.sum(), (per_token * mask).sum().detach()])
+    dist.all_reduce(counts, group=dp_group)  # the step's target tokens and loss sum, every DP rank
+    # Megatron's DDP divides each gradient by the DP size before summing: the loss over the
+    # step's tokens, times that size, gives the gradient of the step's mean loss
+    ((per_token * mask).sum() * (dist.get_world_size(dp_group) / counts[0])).backward()
+    model.finish_grad_sync()
+    for q in model.parameters():
+        q.grad = q.main_grad
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    model.zero_grad_buffer()
+    return time.perf_counter() - t0, (counts[1] / counts[0]).item()
 
 
 if __name__ == "__main__":
-    from slipstream.cluster.worker import leave
-
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    main()
-    leave()
+    run_worker(train, options=options, group=lambda args: dist.init_process_group(args.backend),
+               threads=cores_per_rank)

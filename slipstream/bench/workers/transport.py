@@ -13,13 +13,13 @@ allreduce. Rank 0 writes the raw times as JSON to ``--out``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import time
+from functools import partial
 
 import torch
 import torch.distributed as dist
 
+from slipstream.cluster.worker import in_turns, run_worker, time_from_barrier
 from slipstream.core_comm.transport.tcp import MultiConnInter, endpoint_from_env
 
 
@@ -55,19 +55,16 @@ def _check(impls: dict, source: torch.Tensor, group) -> None:
             raise RuntimeError(f"rank {dist.get_rank()}: {name} allreduce differs from gloo; refusing to time")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
+def options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--size", type=int, required=True, help="bytes of fp32 per rank")
     parser.add_argument("--connections", required=True, help="comma-separated K")
     parser.add_argument("--iters", type=int, required=True)
     parser.add_argument("--warmup", type=int, required=True)
     parser.add_argument("--port-base", type=int, required=True)
     parser.add_argument("--timeout-s", type=float, default=120.0)
-    args = parser.parse_args()
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+
+def measure(args: argparse.Namespace) -> dict:
     world, rank = dist.get_world_size(), dist.get_rank()
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     group = _inter_group(world, per_node)
@@ -77,42 +74,23 @@ def main() -> None:
     source = torch.randint(-8, 9, (args.size // 4,), generator=gen).float()
     _check({k: v for k, v in impls.items() if v is not None}, source, group)
     x = source.clone()
-    names = list(impls)
 
     def timed(name: str) -> float:
         x.copy_(source)
-        dist.barrier()
-        start = time.perf_counter()
         if impls[name] is None:
-            dist.all_reduce(x, group=group)
-        else:
-            impls[name].all_reduce(x, dist.ReduceOp.SUM)
-        return time.perf_counter() - start
+            return time_from_barrier(lambda: dist.all_reduce(x, group=group))
+        return time_from_barrier(lambda: impls[name].all_reduce(x, dist.ReduceOp.SUM))
 
-    for _ in range(args.warmup):
-        for name in names:
-            timed(name)
-    times: dict[str, list[float]] = {name: [] for name in names}
-    for i in range(args.iters):
-        for name in names[i % len(names):] + names[:i % len(names)]:
-            times[name].append(timed(name))
+    def progress(i: int, times: dict[str, list[float]]) -> None:
         if rank == 0:
-            print(f"iteration {i}: " + ", ".join(f"{n} {times[n][-1] * 1e3:.0f} ms" for n in names), flush=True)
-    slowest = torch.tensor([times[n] for n in names], dtype=torch.float64)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+            print(f"iteration {i}: " + ", ".join(f"{n} {t[-1] * 1e3:.0f} ms" for n, t in times.items()), flush=True)
+
+    times = in_turns({name: partial(timed, name) for name in impls}, args.iters, args.warmup, after=progress)
     for t in impls.values():
         if t is not None:
             t.close()
-    if rank == 0:
-        with open(args.out, "w") as f:
-            json.dump(dict(world_size=world, ranks_per_node=per_node, size_bytes=source.numel() * 4,
-                           times_s={n: slowest[i].tolist() for i, n in enumerate(names)}), f)
-    dist.destroy_process_group()
+    return dict(world_size=world, ranks_per_node=per_node, size_bytes=source.numel() * 4, times_s=times)
 
 
 if __name__ == "__main__":
-    from slipstream.cluster.worker import leave
-
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    main()
-    leave()
+    run_worker(measure, options=options)

@@ -1,7 +1,7 @@
 """One rank of ``slipstream bench comm``; started by torch.distributed.run on every rank.
 
 For each op and size: run every implementation (stock, slipstream and, for allreduce,
-DeepSpeed's shm op: see ``_ds_shm.py``) once on the same integer-valued input and require
+DeepSpeed's shm op: see ``deepspeed_shm.py``) once on the same integer-valued input and require
 results identical to stock's (small integers sum exactly in every dtype and order, so any
 difference is a bug, not rounding), warm them up, then time them alternating (the order rotates
 every iteration). An iteration's time is the slowest rank's, from a barrier to the
@@ -14,15 +14,14 @@ latency of that order. Rank 0 writes the raw times as JSON to ``--out``.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import sys
-import time
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from slipstream.cluster.worker import in_turns, run_worker, time_from_barrier
 
 # torch 2.13 renamed the tensor collectives (the old names warn); gloo supports both.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -79,7 +78,7 @@ def _algorithm(case: _Case, impl: str) -> str:
     if impl == "stock":
         return dist.get_backend()
     if impl == "deepspeed":
-        from slipstream.bench._ds_shm import algorithm
+        from .deepspeed_shm import algorithm
 
         return algorithm(case.inp.numel() * case.inp.element_size())
     kind = {"allreduce": "all_reduce", "allgather": "all_gather", "reduce_scatter": "reduce_scatter"}
@@ -98,13 +97,8 @@ def _reps(case: _Case) -> int:
 
 def _timed(case: _Case, impl: str) -> float:
     """Seconds per call. Repeated in-place sums may overflow to inf: a timing, not a result."""
-    reps = _reps(case)
     case.inp.copy_(case.source)
-    dist.barrier()
-    start = time.perf_counter()
-    for _ in range(reps):
-        case.run(impl)
-    return (time.perf_counter() - start) / reps
+    return time_from_barrier(lambda: case.run(impl), _reps(case))
 
 
 def _check(case: _Case, impls: list[str], op: str, nbytes: int) -> None:
@@ -128,44 +122,32 @@ def _check(case: _Case, impls: list[str], op: str, nbytes: int) -> None:
                            "(see the ranks' lines above); refusing to report times")
 
 
-def _measure(case: _Case, impls: list[str], iters: int, warmup: int) -> dict[str, list[float]]:
-    for _ in range(warmup):
-        for impl in impls:
-            _timed(case, impl)
-    times: dict[str, list[float]] = {impl: [] for impl in impls}
-    for i in range(iters):
-        k = i % len(impls)
-        for impl in impls[k:] + impls[:k]:
-            times[impl].append(_timed(case, impl))
-    slowest = torch.tensor([times[impl] for impl in impls], dtype=torch.float64)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    return {impl: slowest[k].tolist() for k, impl in enumerate(impls)}
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--ops", required=True)
-    parser.add_argument("--sizes", required=True, help="bytes, comma-separated")
-    parser.add_argument("--impls", required=True)
-    parser.add_argument("--dtype", required=True)
-    parser.add_argument("--iters", type=int, required=True)
-    parser.add_argument("--warmup", type=int, required=True)
-    args = parser.parse_args()
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    world, rank = dist.get_world_size(), dist.get_rank()
-    impls = args.impls.split(",")
+def _communicators(impls: list[str], rank: int, world: int) -> dict[str, Any]:
     comms: dict[str, Any] = {}
     if "slipstream" in impls:
         from slipstream.core_comm import Communicator
 
         comms["slipstream"] = Communicator(None)
     if "deepspeed" in impls:
-        from slipstream.bench._ds_shm import connect
+        from .deepspeed_shm import connect
 
         comms["deepspeed"] = connect(rank, world)
+    return comms
+
+
+def options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--ops", required=True)
+    parser.add_argument("--sizes", required=True, help="bytes, comma-separated")
+    parser.add_argument("--impls", required=True)
+    parser.add_argument("--dtype", required=True)
+    parser.add_argument("--iters", type=int, required=True)
+    parser.add_argument("--warmup", type=int, required=True)
+
+
+def measure(args: argparse.Namespace) -> dict:
+    world, rank = dist.get_world_size(), dist.get_rank()
+    impls = args.impls.split(",")
+    comms = _communicators(impls, rank, world)
     dtype = getattr(torch, args.dtype)
     itemsize = torch.empty(0, dtype=dtype).element_size()
     records = []
@@ -176,30 +158,18 @@ def main() -> None:
             here = [impl for impl in impls if impl in _CALLS[op]]
             if len(here) > 1:
                 _check(case, here, op, numel * itemsize)
-            times = _measure(case, here, args.iters, args.warmup)
+            times = in_turns({impl: partial(_timed, case, impl) for impl in here}, args.iters, args.warmup)
             records += [dict(op=op, size_bytes=numel * itemsize, impl=impl, times_s=times[impl],
                              algorithm=_algorithm(case, impl)) for impl in here]
             if rank == 0:
                 print(f"done: {op} {numel * itemsize} bytes", flush=True)
     if "slipstream" in comms:
         comms["slipstream"].close()
-    if rank == 0:
-        with open(args.out, "w") as f:
-            json.dump(dict(world_size=world, backend=dist.get_backend(), records=records), f)
-    if "deepspeed" in comms:
-        # With DeepSpeed's shm extension loaded (0.19.8), a rank now and then aborts in C++
-        # teardown after every result is in ("terminate called without an active exception",
-        # one CI run in about six): leave without that teardown once all ranks are done.
-        dist.barrier()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
-    dist.destroy_process_group()
+    return dict(world_size=world, backend=dist.get_backend(), records=records)
 
 
 if __name__ == "__main__":
-    from slipstream.cluster.worker import leave
-
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    main()
-    leave()
+    # With DeepSpeed's shm extension loaded (0.19.8), a rank now and then aborts in C++
+    # teardown after every result is in ("terminate called without an active exception",
+    # one CI run in about six): leave without that teardown once all ranks are done.
+    run_worker(measure, options=options, destroy_group=lambda args: "deepspeed" not in args.impls.split(","))

@@ -13,7 +13,6 @@ between the two models as JSON to ``--out``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 
@@ -22,6 +21,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import slipstream  # noqa: F401 - registers the backend
+from slipstream.cluster.worker import run_worker, slowest, turns
 
 
 def make_model(width: int, depth: int, seed: int = 0) -> torch.nn.Module:
@@ -47,9 +47,7 @@ def _step(model, opt, x, y) -> float:
     return time.perf_counter() - start
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
+def options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--width", type=int, required=True)
     parser.add_argument("--depth", type=int, required=True)
     parser.add_argument("--batch", type=int, required=True)
@@ -57,9 +55,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, required=True)
     parser.add_argument("--bucket-mb", type=float, default=25.0)
     parser.add_argument("--lr", type=float, default=0.01)
-    args = parser.parse_args()
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    dist.init_process_group("slipstream")
+
+
+def train(args: argparse.Namespace) -> dict:
     rank = dist.get_rank()
     groups = {"gloo": dist.new_group(backend="gloo"), "slipstream": dist.group.WORLD}
     models = {name: DDP(make_model(args.width, args.depth), process_group=g, bucket_cap_mb=args.bucket_mb)
@@ -68,28 +66,16 @@ def main() -> None:
     times: dict[str, list[float]] = {name: [] for name in models}
     for step in range(args.warmup + args.steps):
         x, y = batch(rank, step, args.batch, args.width)
-        for name in (list(models) if step % 2 == 0 else list(models)[::-1]):
+        for name in turns(list(models), step):
             took = _step(models[name], opts[name], x, y)
             if step >= args.warmup:
                 times[name].append(took)
-    slowest = torch.tensor([times[name] for name in models], dtype=torch.float64)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     weights = {name: torch.cat([p.detach().reshape(-1) for p in m.module.parameters()]) for name, m in models.items()}
-    diff = (weights["slipstream"] - weights["gloo"]).abs().max().item()
-    close = torch.allclose(weights["slipstream"], weights["gloo"], rtol=1.3e-6, atol=1e-5)
-    if rank == 0:
-        params = weights["gloo"].numel()
-        with open(args.out, "w") as f:
-            json.dump(dict(world_size=dist.get_world_size(), params=params,
-                           times_s={name: slowest[k].tolist() for k, name in enumerate(models)},
-                           max_abs_weight_diff=diff, weights_allclose=close,
-                           weights_equal=bool(torch.equal(weights["slipstream"], weights["gloo"]))), f)
-    dist.destroy_process_group()
+    return dict(world_size=dist.get_world_size(), params=weights["gloo"].numel(), times_s=slowest(times),
+                max_abs_weight_diff=(weights["slipstream"] - weights["gloo"]).abs().max().item(),
+                weights_allclose=torch.allclose(weights["slipstream"], weights["gloo"], rtol=1.3e-6, atol=1e-5),
+                weights_equal=bool(torch.equal(weights["slipstream"], weights["gloo"])))
 
 
 if __name__ == "__main__":
-    from slipstream.cluster.worker import leave
-
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    main()
-    leave()
+    run_worker(train, options=options, group="slipstream", threads=lambda: int(os.environ["OMP_NUM_THREADS"]))
