@@ -12,7 +12,7 @@ pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc
 
 _CYCLES = """
 import json, resource, sys, torch
-from slipstream import cpu_memory
+from slipstream.plugins import cpu_memory
 mode = sys.argv[1]
 if mode != "default":
     assert cpu_memory.keep_freed_memory() and cpu_memory.keep_freed_memory()  # idempotent

@@ -8,9 +8,9 @@ adapters' stand-ins.
 A communicator is built on the first ``get`` of its group (a collective: node subgroups,
 shared memory, the tuner's plan) and kept until ``close(group)`` or until torch forgets the
 group (``destroy_process_group``), when the next ``get`` builds a new one. Every communicator
-runs the same plan, whoever asks: the tuner's measured plan cached for the topology, else its
-cost model (``tuner.tuned_communicator``), so a call of a given size takes the same path from
-the backend, the DDP hook or an adapter. A ``get`` that asks for other settings than the
+runs by the same rule, whoever asks: the tuner's measured plan when ``slipstream tune`` cached
+one for the topology, else the built-in rule (``routing.route``), so a call of a given size
+takes the same path from the backend, the DDP hook, FSDP or DeepSpeed. A ``get`` that asks for other settings than the
 communicator was built with keeps the built one and says so once (rebuilding would be a
 collective the other ranks are not in).
 
@@ -51,7 +51,7 @@ class CommunicatorPool:
 
     def get(self, group: dist.ProcessGroup | None = None, *, config: CommConfig | None = None) -> Communicator:
         """The communicator of ``group``; built (collectively) on first use with ``config``
-        (None: ``CommConfig.default()``), running the tuner's plan."""
+        (None: ``CommConfig.default()``), running the tuner's cached plan if there is one."""
         key = _key(group)
         with self._lock:
             comm = self._comms.get(key)
@@ -137,7 +137,7 @@ def _build(group, config: CommConfig | None) -> Communicator:
         # a group of the slipstream backend: the communicator runs over the gloo group it gives,
         # within its timeout, with its same-call check
         over, config, checker = core_spec(config)
-    return tuned_communicator(over, config=config, checker=checker)
+    return tuned_communicator(over, config=config, checker=checker, model=False)
 
 
 # The process's pool: a communicator belongs to its group, and a group to the process.

@@ -11,9 +11,11 @@ The rule has two parts. ``refusal`` needs no communicator: what every rank of a 
 passes alike (device, dtype, op, layout) and the group's settings. The backend asks it before it
 builds a communicator (building one is collective), and the communicator asks it first on every
 call. ``route`` is the rest, which needs the built communicator: its topology, the fast paths it
-could build, and the plan's choice for the call's size (a tuner's measured plan, else the cost
-model, ``tuner.model_plan``, whose size thresholds are ``STOCK_BELOW_BYTES`` here). Everything
-depends only on what every rank sees alike, so all ranks route a call the same way.
+could build, and its plan's choice for the call's size (the pool gives every communicator the
+tuner's measured plan when one is cached for the topology; the tuner's cost model,
+``tuner.model_plan``, whose size thresholds are ``STOCK_BELOW_BYTES`` here, is what ``slipstream
+env`` and ``tune`` start from). Everything depends only on what every rank sees alike, so all
+ranks route a call the same way.
 """
 
 from __future__ import annotations

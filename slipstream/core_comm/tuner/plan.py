@@ -1,6 +1,6 @@
 """The tuner's plan: what a measured plan is valid for (``TuneKey``), its rows (``Entry``), the
 lookup the communicator asks on every call (``TunedPlan``) and the bucket sizes derived from it
-(``BucketSizes``). Public through ``slipstream.core_comm.tuner.tuner``.
+(``BucketSizes``). Public through ``slipstream.core_comm.tuner``.
 """
 
 from __future__ import annotations

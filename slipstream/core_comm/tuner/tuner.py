@@ -90,26 +90,29 @@ def _broadcast_from_rank0(obj, group):
     return box[0]
 
 
-def load_plan(comm: Communicator, *, cache_dir: str | os.PathLike | None = None) -> TunedPlan:
-    """Collective: the cached plan for ``comm``'s topology, else the cost model. Never measures."""
+def load_plan(comm: Communicator, *, cache_dir: str | os.PathLike | None = None,
+              model: bool = True) -> TunedPlan | None:
+    """Collective: the cached plan for ``comm``'s topology, else the cost model (None with
+    ``model=False``). Never measures."""
     key = TuneKey.of(comm)
     path = Path(cache_dir if cache_dir is not None else default_cache_dir()) / key.filename()
     data = _read_cache(path, key) if comm.rank == 0 else None
     data = _broadcast_from_rank0(data, comm.group)
     if data is None:
-        return model_plan(key, comm.config)
+        return model_plan(key, comm.config) if model else None
     return TunedPlan.from_json(data, source="cached")
 
 
 def tuned_communicator(group: dist.ProcessGroup | None = None, *, config: CommConfig | None = None,
-                       cache_dir: str | os.PathLike | None = None, checker=None) -> Communicator:
-    """Collective: a communicator over ``group`` running the cached plan (else the cost model).
-
-    The adapters' entry point. When the plan measured another connection count than
-    ``config``'s, the communicator is built again with it (once, at set-up).
-    """
+                       cache_dir: str | os.PathLike | None = None, checker=None, model: bool = True) -> Communicator:
+    """Collective: a communicator over ``group`` running the cached plan, else the cost model
+    (with ``model=False``: else no plan, the built-in rule). When the plan measured another
+    connection count than ``config``'s, the communicator is built again with it (once, at
+    set-up)."""
     comm = Communicator(group, config=config, checker=checker)
-    plan = load_plan(comm, cache_dir=cache_dir)
+    plan = load_plan(comm, cache_dir=cache_dir, model=model)
+    if plan is None:
+        return comm
     wanted = plan.apply(comm.config)
     if wanted != comm.config:
         comm.close()

@@ -18,6 +18,7 @@ from ..._common import record
 from ..._common.record import deferred, note_stack, warn_once
 from .._adapter import apply_job_effects, compile_model, read_config, undo_job_effects
 from ..._common.patch import patch, unpatch
+from ...core_comm.tuner import load_plan
 from .comm_backend import install_comm
 from .translate import zero_buckets
 from .zero import patch_zero_optimizer
@@ -145,7 +146,8 @@ def _recommended_buckets(backend, ds_config: dict) -> dict:
         log.info("slipstream: ZeRO buckets left at DeepSpeed's sizes (no comm/compute overlap here)")
         return {}
     half = any(ds_config.get(k, {}).get("enabled", False) for k in ("bf16", "fp16"))
-    plan = backend.communicator(None).plan
+    comm = backend.communicator(None)
+    plan = comm.plan or load_plan(comm)  # a cached measured plan, else the cost model's buckets
     return zero_buckets(plan.buckets, element_size=2 if half else 4)["zero_optimization"]
 
 
