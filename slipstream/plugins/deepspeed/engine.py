@@ -17,6 +17,7 @@ import os
 from ..._status import announce, deferred, note_stack, warn_once
 from .._adapter import apply_job_effects, compile_model, read_config, undo_job_effects
 from ..._common.patch import patch, unpatch
+from . import build_lock
 from .comm_backend import install_comm
 from .translate import zero_buckets
 from .zero import patch_zero_optimizer
@@ -63,6 +64,7 @@ def initialize(*args, **kwargs):
 
 
 def _initialize(original, args, kwargs):
+    build_lock.install()  # DeepSpeed builds or loads its shm op first thing (deepspeed.comm)
     with deferred():
         return _set_up(original, args, kwargs)
 
@@ -165,8 +167,12 @@ def _on_cpu() -> bool:
 
 
 def install() -> None:
-    """Make plain ``deepspeed.initialize`` honour the section. Idempotent; ``uninstall`` undoes it."""
+    """Make plain ``deepspeed.initialize`` honour the section, and torch's extension build lock
+    (which every DeepSpeed job meets, building or loading the shm op) unable to hang a job
+    (``build_lock``). Idempotent; ``uninstall`` undoes it."""
     import deepspeed
+
+    build_lock.install()
 
     original = deepspeed.initialize
 
@@ -178,10 +184,11 @@ def install() -> None:
 
 
 def uninstall() -> None:
-    """Restore ``deepspeed.initialize``, DeepSpeed's own comm backend and every optimizer
-    patched in this process exactly."""
+    """Restore ``deepspeed.initialize``, torch's build lock, DeepSpeed's own comm backend and
+    every optimizer patched in this process exactly."""
     import sys
 
+    build_lock.uninstall()
     deepspeed = sys.modules.get("deepspeed")
     if deepspeed is None:
         return
