@@ -196,21 +196,24 @@ def test_config_section_defaults_and_absence():
     assert cfg.keep_freed_memory and not SlipstreamConfig.from_dict({"keep_freed_memory": False}).keep_freed_memory
 
 
-def test_install_uninstall_round_trip_restores_deepspeed_initialize():
+def test_install_uninstall_round_trip_restores_deepspeed_initialize_and_the_build_lock():
+    from torch.utils.file_baton import FileBaton
+
     from slipstream.plugins.deepspeed import install, uninstall
 
     uninstall()  # the start-up hook may have installed it when DeepSpeed was imported
-    original = deepspeed.initialize
-    assert not hasattr(original, "__slipstream_patch__")
+    targets = [(deepspeed, "initialize"), (FileBaton, "try_acquire"), (FileBaton, "wait")]
+    originals = [getattr(t, name) for t, name in targets]
+    assert not any(hasattr(o, "__slipstream_patch__") for o in originals)
     install()
-    hooked = deepspeed.initialize
+    hooked = [getattr(t, name) for t, name in targets]
     install()  # idempotent
-    assert deepspeed.initialize is hooked and hooked is not original
-    assert hooked.__wrapped__ is original
+    assert [getattr(t, name) for t, name in targets] == hooked
+    assert all(h is not o and h.__wrapped__ is o for h, o in zip(hooked, originals))
     uninstall()
-    assert deepspeed.initialize is original
+    assert all(getattr(t, name) is o for (t, name), o in zip(targets, originals))
     uninstall()  # idempotent
-    assert deepspeed.initialize is original
+    assert all(getattr(t, name) is o for (t, name), o in zip(targets, originals))
 
 
 def _checkpoint_interchange(rank, world, tmp):
