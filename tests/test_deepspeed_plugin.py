@@ -294,6 +294,46 @@ def test_tuned_buckets_only_where_deepspeed_overlaps_comm(monkeypatch, device, z
     assert got == (zero_buckets(BucketSizes(), element_size=4)["zero_optimization"] if expected else {})
 
 
+def _set_up_and_train(rank, world, section, dist_init_required):
+    """Three steps of ZeRO-2 through plain ``deepspeed.initialize`` (the adapter installed, as
+    by the start-up hook): the losses, or the name of the error the set-up raised."""
+    from slipstream.plugins.deepspeed import install
+
+    install()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 32))
+    try:
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                          config=_ds_config(2, 1, section), dist_init_required=dist_init_required)
+    except Exception as e:  # noqa: BLE001 - compared with stock's
+        return {"error": type(e).__name__}
+    losses = []
+    for x, y in _mlp_batches(rank, 3):
+        loss = (engine(x) - y).pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return {"losses": losses}
+
+
+@pytest.mark.parametrize("group_made_first", [True, False], ids=["group-made-by-the-script", "no-group"])
+@pytest.mark.parametrize("dist_init_required", [True, False, None])
+def test_every_way_of_initialising_behaves_as_stock(group_made_first, dist_init_required):
+    """Stock DeepSpeed adopts a group the script made, makes one when asked or when there is
+    none, and refuses ``dist_init_required=False`` without a group: the adapter does the same."""
+    runs = {}
+    for impl, section in [("stock", None), ("slipstream", {"enabled": True, "comm": COMM})]:
+        runs[impl] = run_ranks(_set_up_and_train, 2, section, dist_init_required, rank_env=_env(0, 0),
+                               init_group=group_made_first, timeout=300)
+    stock, ours = runs["stock"], runs["slipstream"]
+    if "error" in stock[0]:
+        assert ours == stock, f"stock raised {stock[0]['error']}; slipstream: {ours}"
+        return
+    assert all("losses" in r for r in ours), f"stock trained; slipstream: {ours}"
+    for s, o in zip(stock, ours):
+        torch.testing.assert_close(torch.tensor(o["losses"]), torch.tensor(s["losses"]), rtol=1e-5, atol=1e-6)
+
+
 def _install_comm_settings(rank, world):
     import deepspeed.comm as ds_dist
     import deepspeed.comm.comm as ds_comm

@@ -78,7 +78,7 @@ def _set_up(original, args, kwargs):
     if not settings.enabled:
         _left_stock(section)
         return original(*bound.args, **bound.kwargs)
-    _init_distributed(params)
+    _init_distributed(original, params)
     backend = install_comm(settings.comm)
     ds_config = bucket_defaults(ds_config, _recommended_buckets(backend, ds_config))
     apply_job_effects(settings, on_cpu=_on_cpu())
@@ -123,18 +123,17 @@ def _left_stock(section) -> None:
                   "collectives through slipstream.")
 
 
-def _init_distributed(params) -> None:
-    """What ``deepspeed.initialize`` would do first, so the backend exists to be wrapped."""
+def _init_distributed(original, params) -> None:
+    """DeepSpeed's own first step of ``deepspeed.initialize``, with the same arguments, so that
+    its comm backend exists to be wrapped: it adopts a group the script made, makes one, or
+    refuses (``dist_init_required=False`` with no group) as it would there. Its second call,
+    inside ``deepspeed.initialize``, finds the backend made."""
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
-    if params.get("dist_init_required") is False and not deepspeed.comm.is_initialized():
-        raise RuntimeError("slipstream needs torch.distributed initialised (dist_init_required=False)")
-    deepspeed.comm.init_distributed(
-        dist_backend=get_accelerator().communication_backend_name(),
-        distributed_port=params.get("distributed_port", 29500),
-        dist_init_required=params.get("dist_init_required"),
-    )
+    port = params.get("distributed_port", inspect.signature(original).parameters["distributed_port"].default)
+    deepspeed.comm.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
+                                    distributed_port=port, dist_init_required=params.get("dist_init_required"))
 
 
 def _recommended_buckets(backend, ds_config: dict) -> dict:
