@@ -22,7 +22,8 @@ __all__ = [
     "uninstall_comm",
 ]
 
-_WHERE = {"CommBackend": "comm", "install_comm": "comm", "installed_backend": "comm", "uninstall_comm": "comm",
+_WHERE = {"CommBackend": "comm_backend", "install_comm": "comm_backend", "installed_backend": "comm_backend",
+          "uninstall_comm": "comm_backend",
           "initialize": "engine", "install": "engine", "load_ds_config": "engine", "uninstall": "engine"}
 
 
