@@ -151,7 +151,7 @@ def test_launcher_cleanup_removes_only_the_locks_of_its_gone_ranks(tmp_path):
     for name, text in [("ours", gone.text()), ("stranger", stranger.text()), ("unmarked", ""),
                        ("live", mine.text())]:
         _baton(tmp_path / name, lock=text)
-    removed = build_lock.remove_locks_of({gone.pid, mine.pid}, {"TORCH_EXTENSIONS_DIR": str(tmp_path)})
+    removed = build_lock.remove_locks_of({gone.pid, mine.pid}, [{"TORCH_EXTENSIONS_DIR": str(tmp_path)}])
     assert removed == [str(tmp_path / "ours" / "lock")]
     assert [p.parent.name for p in locks(tmp_path)] == ["live", "stranger", "unmarked"]
 

@@ -429,19 +429,15 @@ def _run_and_reap(commands: Sequence[tuple[list[str], Mapping[str, str]]], timeo
 
 
 def _clear_build_locks(ranks: set[int], environs: Sequence[Mapping[str, str]]) -> None:
-    """Remove the torch extension build locks our killed or failed ranks left (a rank stopped
-    while it built or checked DeepSpeed's op): the next job would find them stale."""
+    """Remove the torch extension build locks our stopped ranks held (one killed while it
+    built or checked DeepSpeed's op): the next job would meet them."""
     from ..plugins.deepspeed.build_lock import remove_locks_of
 
-    roots = {env.get("TORCH_EXTENSIONS_DIR"): env for env in environs}
-    for env in roots.values():
-        try:
-            removed = remove_locks_of(ranks, env)
-        except (OSError, ImportError) as e:  # never hide why the job stopped
-            sys.stderr.write(f"slipstream: could not look for the stopped ranks' build locks: {e}\n")
-            continue
-        for path in removed:
+    try:
+        for path in remove_locks_of(ranks, environs):
             sys.stderr.write(f"slipstream: removed the build lock {path} of a stopped rank\n")
+    except (OSError, ImportError) as e:  # never hide why the job stopped
+        sys.stderr.write(f"slipstream: could not look for the stopped ranks' build locks: {e}\n")
 
 
 def _tails(tails: Sequence[deque], nodes: Sequence[int]) -> str:

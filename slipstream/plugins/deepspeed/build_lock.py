@@ -229,10 +229,13 @@ def _remove_if_stale(path: str) -> bool:
             os.remove(path)
         except FileNotFoundError:
             return False
-        warn_once(f"removed the stale torch extension build lock {path} of process {mark.pid}, which is gone")
         return True
     finally:
         os.close(fd)  # releases the flock
+
+
+def _removed(path: str) -> None:
+    warn_once(f"removed the stale torch extension build lock {path}: the process that made it is gone")
 
 
 def _flock(fd: int, timeout: float) -> bool:
@@ -266,7 +269,10 @@ def try_acquire(baton, original) -> bool:
     if original(baton):
         _write_mark(baton.lock_file_path)
         return True
-    if _remove_if_stale(baton.lock_file_path) and original(baton):
+    if not _remove_if_stale(baton.lock_file_path):
+        return False
+    _removed(baton.lock_file_path)
+    if original(baton):
         _write_mark(baton.lock_file_path)
         return True
     return False
@@ -292,6 +298,7 @@ def wait(baton, policy: LockPolicy | None = None) -> None:
                                f"built ({_library(os.path.dirname(path))} is missing): a build killed before it "
                                f"finished left it. If no build is running on this machine: rm {path}")
         if verdict is Verdict.REMOVE and _remove_if_stale(path):
+            _removed(path)
             if not seen.built:  # torch only loads after a wait: nothing to load
                 raise RuntimeError(f"process {seen.mark.pid} died while it built the torch extension in "
                                    f"{os.path.dirname(path)}; slipstream removed its lock {path}. Run the job "
@@ -339,12 +346,9 @@ def lock_files(environ: Mapping[str, str] = os.environ) -> list[str]:
     return sorted(glob.glob(os.path.join(root, "*", "lock")) + glob.glob(os.path.join(root, "*", "*", "lock")))
 
 
-def remove_locks_of(pids: Collection[int], environ: Mapping[str, str] = os.environ) -> list[str]:
+def remove_locks_of(pids: Collection[int], environs: Collection[Mapping[str, str]] = (os.environ,)) -> list[str]:
     """Remove the build locks marked by processes ``pids`` that are gone (a launcher's ranks
-    after the job); returns the paths removed."""
-    removed = []
-    for path in lock_files(environ):
-        mark = _read_mark(path)
-        if mark is not None and mark.pid in pids and _remove_if_stale(path):
-            removed.append(path)
-    return removed
+    after the job), under the extensions root of each environment; returns the paths removed."""
+    paths = {path for environ in environs for path in lock_files(environ)}
+    return [path for path in sorted(paths)
+            if getattr(_read_mark(path), "pid", None) in pids and _remove_if_stale(path)]
