@@ -96,6 +96,7 @@ def run_ranks(
             if p.is_alive():
                 p.kill()
                 p.join()
+        _clear_build_locks([p.pid for p in procs if p.exitcode is not None and p.exitcode < 0])
     missing = [r for r in range(world_size) if r not in results]
     failures = {r: v for r, (ok, v) in results.items() if not ok}
     if not allow_failures and (missing or failures):
@@ -107,6 +108,15 @@ def run_ranks(
         ok, value = results.get(r, (False, f"no result (exit code {procs[r].exitcode})"))
         out.append(value if ok else Exception(value))
     return out
+
+
+def _clear_build_locks(killed: list[int]) -> None:
+    """A rank killed (a hang past the timeout) while it built or loaded DeepSpeed's op holds its
+    build lock: removed, as the launcher does for its ranks."""
+    if killed:
+        from slipstream.plugins.deepspeed.build_lock import remove_locks_of
+
+        remove_locks_of(set(killed))
 
 
 def _collect(queue, procs, results: dict, timeout: float) -> None:
