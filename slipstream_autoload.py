@@ -10,7 +10,9 @@ has been imported.
                             SLIPSTREAM_CONFIG=path (a file of slipstream's settings)
     (neither)               once DeepSpeed is imported: its adapter, so that a DeepSpeed
                             config with a ``"slipstream"`` section turns slipstream on, and
-                            one without leaves DeepSpeed exactly stock
+                            one without leaves DeepSpeed stock, but for torch's extension
+                            build lock: a stale one cannot hang the job
+                            (``slipstream/plugins/deepspeed/build_lock.py``)
 
 Nothing else is imported until then, and a job that imports neither pays one ``find_spec``
 call per import for a finder that answers None (measured in tests/test_autoload.py).

@@ -26,7 +26,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child(fn, rank, world_size, port, env, args, queue, pg_timeout, backend="gloo"):
+def _child(fn, rank, world_size, port, env, args, queue, pg_timeout, backend="gloo", init_group=True):
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -39,13 +39,15 @@ def _child(fn, rank, world_size, port, env, args, queue, pg_timeout, backend="gl
         import torch.distributed as dist
 
         torch.set_num_threads(1)
-        dist.init_process_group(
-            backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout)
-        )
+        if init_group:
+            dist.init_process_group(
+                backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout)
+            )
         try:
             result = fn(rank, world_size, *args)
         finally:
-            dist.destroy_process_group()
+            if dist.is_initialized():
+                dist.destroy_process_group()
         queue.put((rank, True, result))
     except BaseException:  # noqa: BLE001 - every failure goes back to the parent
         queue.put((rank, False, traceback.format_exc()))
@@ -61,6 +63,7 @@ def run_ranks(
     pg_timeout: float = 60.0,
     allow_failures: bool = False,
     backend: str = "gloo",
+    init_group: bool = True,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on each rank; return results ordered by rank.
 
@@ -68,7 +71,9 @@ def run_ranks(
     ``fn`` must be importable (defined at module level). With ``allow_failures`` a rank that
     raised or died yields an ``Exception`` holding its traceback instead of failing the call.
     ``backend`` is passed to ``init_process_group``; a non-stock one must be registered when
-    ``fn``'s module is imported (the child imports it to unpickle ``fn``).
+    ``fn``'s module is imported (the child imports it to unpickle ``fn``). With ``init_group``
+    False the ranks start without a group (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK`` and
+    ``WORLD_SIZE`` set), for ``fn`` to make one.
     """
     port = free_port()
     queue = _CTX.Queue()
@@ -78,7 +83,7 @@ def run_ranks(
         if rank_env is not None:
             merged.update(rank_env[rank])
         p = _CTX.Process(
-            target=_child, args=(fn, rank, world_size, port, merged, args, queue, pg_timeout, backend)
+            target=_child, args=(fn, rank, world_size, port, merged, args, queue, pg_timeout, backend, init_group)
         )
         p.start()
         procs.append(p)
@@ -91,6 +96,7 @@ def run_ranks(
             if p.is_alive():
                 p.kill()
                 p.join()
+        _clear_build_locks([p.pid for p in procs if p.exitcode is not None and p.exitcode < 0])
     missing = [r for r in range(world_size) if r not in results]
     failures = {r: v for r, (ok, v) in results.items() if not ok}
     if not allow_failures and (missing or failures):
@@ -102,6 +108,15 @@ def run_ranks(
         ok, value = results.get(r, (False, f"no result (exit code {procs[r].exitcode})"))
         out.append(value if ok else Exception(value))
     return out
+
+
+def _clear_build_locks(killed: list[int]) -> None:
+    """A rank killed (a hang past the timeout) while it built or loaded DeepSpeed's op holds its
+    build lock: removed, as the launcher does for its ranks."""
+    if killed:
+        from slipstream.plugins.deepspeed.build_lock import remove_locks_of
+
+        remove_locks_of(set(killed))
 
 
 def _collect(queue, procs, results: dict, timeout: float) -> None:

@@ -16,6 +16,7 @@ Cases, from the victim's side (every other rank keeps calling ``FAULT_OP`` on a 
     megatron        megatron-core TP=2 x DP layers (column- then row-parallel, gradients averaged
                     over the data-parallel group): exits 50 ms into step 4, inside the TP
                     all-reduces
+    deepspeed       ZeRO-2 through the DeepSpeed adapter: exits 50 ms into step 4
 
 Each rank prints ``FAULT <unix time>`` just before its fault (or mismatched call), and a rank
 whose collective raises prints ``ERROR <type>: <message>`` and exits 1. A rank that completes
@@ -88,6 +89,8 @@ def main(case: str) -> int:
         return _fsdp(victim)
     if case == "megatron":
         return _megatron(victim)
+    if case == "deepspeed":
+        return _deepspeed(victim)
     x = torch.ones(N)
     try:
         for i in range(CALLS):
@@ -158,6 +161,27 @@ def _fsdp(victim: bool) -> int:
             model(torch.randn(64, 512)).pow(2).mean().backward()
             opt.step()
             opt.zero_grad()
+    except Exception as e:  # noqa: BLE001 - reported to the harness
+        _report(e)
+    return 0
+
+
+def _deepspeed(victim: bool) -> int:
+    """ZeRO-2 on the group made above (DeepSpeed adopts it), its collectives through the adapter."""
+    import deepspeed
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(4)])
+    config = {"train_micro_batch_size_per_gpu": 64, "zero_optimization": {"stage": 2},
+              "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
+              "zero_force_ds_cpu_optimizer": False, "slipstream": {"enabled": True}}
+    try:
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+        for step in range(200):
+            if victim and step == 3:
+                threading.Timer(0.05, _fault_now_and_exit).start()
+            engine.backward(engine(torch.randn(64, 512)).pow(2).mean())
+            engine.step()
     except Exception as e:  # noqa: BLE001 - reported to the harness
         _report(e)
     return 0

@@ -196,21 +196,24 @@ def test_config_section_defaults_and_absence():
     assert cfg.keep_freed_memory and not SlipstreamConfig.from_dict({"keep_freed_memory": False}).keep_freed_memory
 
 
-def test_install_uninstall_round_trip_restores_deepspeed_initialize():
+def test_install_uninstall_round_trip_restores_deepspeed_initialize_and_the_build_lock():
+    from torch.utils.file_baton import FileBaton
+
     from slipstream.plugins.deepspeed import install, uninstall
 
     uninstall()  # the start-up hook may have installed it when DeepSpeed was imported
-    original = deepspeed.initialize
-    assert not hasattr(original, "__slipstream_patch__")
+    targets = [(deepspeed, "initialize"), (FileBaton, "try_acquire"), (FileBaton, "wait")]
+    originals = [getattr(t, name) for t, name in targets]
+    assert not any(hasattr(o, "__slipstream_patch__") for o in originals)
     install()
-    hooked = deepspeed.initialize
+    hooked = [getattr(t, name) for t, name in targets]
     install()  # idempotent
-    assert deepspeed.initialize is hooked and hooked is not original
-    assert hooked.__wrapped__ is original
+    assert [getattr(t, name) for t, name in targets] == hooked
+    assert all(h is not o and h.__wrapped__ is o for h, o in zip(hooked, originals))
     uninstall()
-    assert deepspeed.initialize is original
+    assert all(getattr(t, name) is o for (t, name), o in zip(targets, originals))
     uninstall()  # idempotent
-    assert deepspeed.initialize is original
+    assert all(getattr(t, name) is o for (t, name), o in zip(targets, originals))
 
 
 def _checkpoint_interchange(rank, world, tmp):
@@ -289,6 +292,46 @@ def test_tuned_buckets_only_where_deepspeed_overlaps_comm(monkeypatch, device, z
     got = engine._recommended_buckets(backend, ds_config)
     assert engine._overlaps_comm(ds_config) is expected
     assert got == (zero_buckets(BucketSizes(), element_size=4)["zero_optimization"] if expected else {})
+
+
+def _set_up_and_train(rank, world, section, dist_init_required):
+    """Three steps of ZeRO-2 through plain ``deepspeed.initialize`` (the adapter installed, as
+    by the start-up hook): the losses, or the name of the error the set-up raised."""
+    from slipstream.plugins.deepspeed import install
+
+    install()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 32))
+    try:
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                          config=_ds_config(2, 1, section), dist_init_required=dist_init_required)
+    except Exception as e:  # noqa: BLE001 - compared with stock's
+        return {"error": type(e).__name__}
+    losses = []
+    for x, y in _mlp_batches(rank, 3):
+        loss = (engine(x) - y).pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return {"losses": losses}
+
+
+@pytest.mark.parametrize("group_made_first", [True, False], ids=["group-made-by-the-script", "no-group"])
+@pytest.mark.parametrize("dist_init_required", [True, False, None])
+def test_every_way_of_initialising_behaves_as_stock(group_made_first, dist_init_required):
+    """Stock DeepSpeed adopts a group the script made, makes one when asked or when there is
+    none, and refuses ``dist_init_required=False`` without a group: the adapter does the same."""
+    runs = {}
+    for impl, section in [("stock", None), ("slipstream", {"enabled": True, "comm": COMM})]:
+        runs[impl] = run_ranks(_set_up_and_train, 2, section, dist_init_required, rank_env=_env(0, 0),
+                               init_group=group_made_first, timeout=300)
+    stock, ours = runs["stock"], runs["slipstream"]
+    if "error" in stock[0]:
+        assert ours == stock, f"stock raised {stock[0]['error']}; slipstream: {ours}"
+        return
+    assert all("losses" in r for r in ours), f"stock trained; slipstream: {ours}"
+    for s, o in zip(stock, ours):
+        torch.testing.assert_close(torch.tensor(o["losses"]), torch.tensor(s["losses"]), rtol=1e-5, atol=1e-6)
 
 
 def _install_comm_settings(rank, world):

@@ -1,7 +1,8 @@
 """Fault injection: a rank that dies, freezes or calls the wrong collective makes every other
 rank exit non-zero within the group's timeout (plus a small margin), with a message that
 names the cause, and leaves nothing behind in /dev/shm (a segment's name carries the pid of
-the process that created it).
+the process that created it), nor, in the DeepSpeed cases, a torch extension build lock in the
+case's own extensions directory.
 
 Each case starts its ranks as separate processes (``_fault_worker.py``) around a store held
 by this process, as torchrun's agent holds it, so a dying rank 0 does not take the store with
@@ -21,10 +22,12 @@ import subprocess
 import sys
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
 
+from _extensions import OP, extensions_dir, locks
 from slipstream.core_comm.collectives.segment import SHM_DIR
 
 pytestmark = pytest.mark.faults
@@ -83,6 +86,9 @@ def run_case(tmp_path, case: str, *, nodes: int = 1, per_node: int = 2, victim: 
     pids = {p.pid for p in procs}
     left = sorted(n for n in _ours() if n.split("-")[1].isdigit() and int(n.split("-")[1]) in pids)
     assert not left, f"{case}: shared-memory segments of the case's ranks left in {SHM_DIR}: {left}"
+    own = (env or {}).get("TORCH_EXTENSIONS_DIR")  # the case's own: every lock in it is its ranks'
+    if own is not None:
+        assert not locks(Path(own)), f"{case}: build locks of the case's ranks left behind: {locks(Path(own))}"
     return {"rc": [p.returncode for p in procs], "ended": ended, "out": outputs,
             "fault": max(faults) if faults else None}
 
@@ -138,6 +144,8 @@ CASES = [
     ("fsdp", 2, 3, "all_gather", {"SLIPSTREAM_CONNECTIONS": "2"}, DIED),
     ("megatron", 1, 1, "all_reduce", {}, DIED),  # TP=2
     ("megatron", 2, 1, "all_reduce", {"SLIPSTREAM_CONNECTIONS": "2"}, DIED),  # TP=2 in each node x DP=2 across
+    ("deepspeed", 1, 1, "all_reduce", {}, DIED),
+    ("deepspeed", 2, 2, "all_reduce", {"SLIPSTREAM_CONNECTIONS": "2"}, DIED),
 ]
 
 
@@ -146,8 +154,19 @@ CASES = [
 def test_survivors_exit_within_the_timeout_naming_the_cause(tmp_path, case, nodes, victim, op, env, cause):
     if case == "megatron":
         pytest.importorskip("megatron.core")
+    if case == "deepspeed":
+        env = {**env, "TORCH_EXTENSIONS_DIR": str(_built_extensions(tmp_path))}
     res = run_case(tmp_path, case, nodes=nodes, victim=victim, op=op, env=env)
     _check(res, case, victim, cause)
+
+
+def _built_extensions(tmp_path) -> Path:
+    """An extensions directory of the case's own with DeepSpeed's op built in it."""
+    pytest.importorskip("deepspeed")
+    ext = extensions_dir(tmp_path / "ext", built=True)
+    if not (ext / OP / f"{OP}.so").exists():
+        pytest.skip("DeepSpeed's shm op is not built on this machine yet (any DeepSpeed job builds it, ~90 s)")
+    return ext
 
 
 def test_the_group_timeout_bounds_a_frozen_rank_when_it_is_the_shorter(tmp_path):

@@ -30,6 +30,37 @@ def _run(argv: list, *, cwd: Path, env: dict, timeout: float) -> subprocess.Comp
     return proc
 
 
+def _builds_wheels() -> bool:
+    """Whether this interpreter's setuptools makes wheels: with ``bdist_wheel`` of its own
+    (70.1 and later) or of the ``wheel`` package. A venv that Python 3.11 made has neither
+    (setuptools 65.5 from ensurepip)."""
+    from importlib import metadata, util
+
+    try:
+        version = metadata.version("setuptools")
+    except metadata.PackageNotFoundError:
+        return False
+    major, minor = (int(p) if p.isdigit() else 0 for p in (version.split(".") + ["0"])[:2])
+    return (major, minor) >= (70, 1) or util.find_spec("wheel") is not None
+
+
+def _see_this_interpreters_packages(venv: Path) -> None:
+    """Give ``venv`` this interpreter's site directories after its own, through a ``.pth``.
+
+    torch, deepspeed, pip and transformers come from there, and the checkout's editable install
+    too: the venv's own site-packages come first on sys.path, ahead of the editable finder
+    (appended to sys.meta_path), so the venv's copy of slipstream wins. Not
+    ``--system-site-packages``: from an interpreter that is itself a venv (pytest run in the
+    README's venv) that gives the base interpreter's packages, which have no torch."""
+    import site
+
+    ours = {*site.getsitepackages(), site.getusersitepackages()}
+    dirs = [p for p in sys.path if p in ours]  # in this interpreter's order
+    (own,) = venv.glob("lib/python*/site-packages")
+    (own / "this-interpreters-site-packages.pth").write_text(
+        "import site; " + "; ".join(f"site.addsitedir({d!r})" for d in dirs) + "\n")
+
+
 @pytest.mark.slow
 def test_wheel_in_fresh_venv_finetunes_from_an_empty_directory(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
@@ -43,14 +74,15 @@ def test_wheel_in_fresh_venv_finetunes_from_an_empty_directory(tmp_path):
     shutil.copytree(REPO, src, ignore=_NOT_SOURCES)
     workdir.mkdir()
 
-    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", wheels, src],
-         cwd=tmp_path, env=env, timeout=300)
+    if _builds_wheels():  # offline, with this interpreter's setuptools
+        _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", wheels, src],
+             cwd=tmp_path, env=env, timeout=300)
+    else:  # in pip's build isolation, with the setuptools pyproject.toml asks for from the index
+        _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-w", wheels, src], cwd=tmp_path,
+             env={k: v for k, v in env.items() if k != "PIP_NO_INDEX"}, timeout=300)
     (wheel,) = wheels.glob("slipstream-*.whl")
-    # torch, deepspeed and transformers come from this interpreter's site-packages, where the
-    # checkout's editable install lives too: the venv's own site-packages come first on
-    # sys.path, ahead of the editable finder (appended to sys.meta_path), so its copy wins.
-    _run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", venv],
-         cwd=tmp_path, env=env, timeout=120)
+    _run([sys.executable, "-m", "venv", "--without-pip", venv], cwd=tmp_path, env=env, timeout=120)
+    _see_this_interpreters_packages(venv)
     python = venv / "bin" / "python"
     # --ignore-installed: pip would otherwise try to uninstall the editable install first (it
     # refuses, being outside the venv, but it should not even try).

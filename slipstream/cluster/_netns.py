@@ -122,9 +122,11 @@ def _alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
-def kill_process_trees(procs: Sequence[subprocess.Popen]) -> None:
-    """SIGTERM each launcher and every process below it, SIGKILL what is left after 5 s."""
+def kill_process_trees(procs: Sequence[subprocess.Popen]) -> list[int]:
+    """SIGTERM each launcher and every process below it, SIGKILL what is left after 5 s.
+    Returns the pids signalled."""
     pids = [p for proc in procs if proc.poll() is None for p in (proc.pid, *descendants(proc.pid))]
+    signalled = list(pids)
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for pid in pids:
             try:
@@ -141,6 +143,7 @@ def kill_process_trees(procs: Sequence[subprocess.Popen]) -> None:
             time.sleep(0.05)
     for proc in procs:
         proc.wait()
+    return signalled
 
 
 def add_veth(ns_a: str, dev_a: str, ns_b: str, dev_b: str) -> None:

@@ -19,6 +19,7 @@ from ..._common.record import deferred, note_stack, warn_once
 from .._adapter import apply_job_effects, compile_model, read_config, undo_job_effects
 from ..._common.patch import patch, unpatch
 from ...core_comm.tuner import load_plan
+from . import build_lock
 from .comm_backend import install_comm
 from .translate import zero_buckets
 from .zero import patch_zero_optimizer
@@ -65,6 +66,7 @@ def initialize(*args, **kwargs):
 
 
 def _initialize(original, args, kwargs):
+    build_lock.install()  # DeepSpeed builds or loads its shm op first thing (deepspeed.comm)
     with deferred():
         return _set_up(original, args, kwargs)
 
@@ -78,7 +80,7 @@ def _set_up(original, args, kwargs):
     if not settings.enabled:
         _left_stock(section)
         return original(*bound.args, **bound.kwargs)
-    _init_distributed(params)
+    _init_distributed(original, params)
     backend = install_comm(settings.comm)
     ds_config = bucket_defaults(ds_config, _recommended_buckets(backend, ds_config))
     apply_job_effects(settings, on_cpu=_on_cpu())
@@ -121,18 +123,17 @@ def _left_stock(section) -> None:
                   "collectives through slipstream.")
 
 
-def _init_distributed(params) -> None:
-    """What ``deepspeed.initialize`` would do first, so the backend exists to be wrapped."""
+def _init_distributed(original, params) -> None:
+    """DeepSpeed's own first step of ``deepspeed.initialize``, with the same arguments, so that
+    its comm backend exists to be wrapped: it adopts a group the script made, makes one, or
+    refuses (``dist_init_required=False`` with no group) as it would there. Its second call,
+    inside ``deepspeed.initialize``, finds the backend made."""
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
-    if params.get("dist_init_required") is False and not deepspeed.comm.is_initialized():
-        raise RuntimeError("slipstream needs torch.distributed initialised (dist_init_required=False)")
-    deepspeed.comm.init_distributed(
-        dist_backend=get_accelerator().communication_backend_name(),
-        distributed_port=params.get("distributed_port", 29500),
-        dist_init_required=params.get("dist_init_required"),
-    )
+    port = params.get("distributed_port", inspect.signature(original).parameters["distributed_port"].default)
+    deepspeed.comm.init_distributed(dist_backend=get_accelerator().communication_backend_name(),
+                                    distributed_port=port, dist_init_required=params.get("dist_init_required"))
 
 
 def _recommended_buckets(backend, ds_config: dict) -> dict:
@@ -166,8 +167,12 @@ def _on_cpu() -> bool:
 
 
 def install() -> None:
-    """Make plain ``deepspeed.initialize`` honour the section. Idempotent; ``uninstall`` undoes it."""
+    """Make plain ``deepspeed.initialize`` honour the section, and torch's extension build lock
+    (which every DeepSpeed job meets, building or loading the shm op) unable to hang a job
+    (``build_lock``). Idempotent; ``uninstall`` undoes it."""
     import deepspeed
+
+    build_lock.install()
 
     original = deepspeed.initialize
 
@@ -179,10 +184,11 @@ def install() -> None:
 
 
 def uninstall() -> None:
-    """Restore ``deepspeed.initialize``, DeepSpeed's own comm backend and every optimizer
-    patched in this process exactly."""
+    """Restore ``deepspeed.initialize``, torch's build lock, DeepSpeed's own comm backend and
+    every optimizer patched in this process exactly."""
     import sys
 
+    build_lock.uninstall()
     deepspeed = sys.modules.get("deepspeed")
     if deepspeed is None:
         return
