@@ -37,12 +37,13 @@ import contextlib
 import sys
 import time
 import warnings
+import weakref
 from collections import deque
 from pathlib import Path
 
 import torch
 
-from ..._common.patch import patch, unpatch
+from ..._common.patch import change, forget
 from . import cache as compile_cache
 from . import check, diagnose, strategy
 from .agree import agree, agree_max, rank
@@ -97,6 +98,7 @@ class Autotuner:
 
     def __init__(self, module: torch.nn.Module, config: CompileConfig, group) -> None:
         self.module, self.config, self.group = module, config, group
+        self.previous = vars(module).get("forward")  # someone else's wrapper, kept and restored
         self.eager = module.forward
         self.report = CompileReport(module=type(module).__name__)
         self.phase = "start"
@@ -408,7 +410,10 @@ def compile(model: torch.nn.Module, example=None, *, config: CompileConfig | Non
     if example is not None and config.graph_breaks:
         args, kwargs = (((), dict(example)) if isinstance(example, dict) else (tuple(example) if isinstance(example, (tuple, list)) else (example,), {}))
         tuner._graph_breaks(args, kwargs)
-    patch(module, "forward", tuner, owner="compile")
+    module.forward = tuner
+    ref = weakref.ref(module)
+    change(("compile", id(module)), f"{type(module).__name__}.forward: slipstream.compile's autotuner",
+           lambda: ref() is not None and uncompile(ref()), owner="compile", target=module)
     return model
 
 
@@ -428,6 +433,10 @@ def uncompile(model: torch.nn.Module) -> None:
     tuner = vars(module).get("forward")
     if not getattr(tuner, _MARKER, False):
         return
+    forget(("compile", id(module)))
     for applied in tuner.built.values():
         applied.deactivate()
-    unpatch(module, "forward")
+    if tuner.previous is None:
+        del module.forward
+    else:
+        module.forward = tuner.previous

@@ -22,8 +22,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..._common.patch import patch, unpatch
-
 __all__ = ["STRATEGIES", "Counter", "Strategy", "candidates", "has_forward_hooks", "hook_free_regions", "repeated_blocks"]
 
 
@@ -157,16 +155,20 @@ class Applied:
     forward: object = None
     """The compiled ``forward`` (scope ``"model"``)."""
     regions: list = field(default_factory=list)
-    """(module, compiled forward) (scope ``"regions"``)."""
+    """(module, compiled forward, the instance's own forward or None) (scope ``"regions"``);
+    switched on for one call at a time, inside the autotuner's forward (its record in the
+    patch registry covers them)."""
 
     def activate(self) -> None:
-        """The regions' compiled forwards on, for one call (patches in the one registry)."""
-        for module, compiled in self.regions:
-            patch(module, "forward", compiled, owner="compile")
+        for module, compiled, _ in self.regions:
+            module.forward = compiled
 
     def deactivate(self) -> None:
-        for module, _ in self.regions:
-            unpatch(module, "forward")
+        for module, _, previous in self.regions:
+            if previous is None:
+                vars(module).pop("forward", None)
+            else:
+                module.forward = previous
 
 
 def build(strategy: Strategy, eager_forward, regions: list[torch.nn.Module]) -> Applied:
@@ -177,5 +179,7 @@ def build(strategy: Strategy, eager_forward, regions: list[torch.nn.Module]) -> 
         applied.forward = torch.compile(eager_forward, backend=counter, dynamic=strategy.dynamic)
     else:
         for module in regions:  # a forward another library set on the instance is compiled with it
-            applied.regions.append((module, torch.compile(module.forward, backend=counter, dynamic=strategy.dynamic)))
+            previous = vars(module).get("forward")
+            applied.regions.append((module, torch.compile(module.forward, backend=counter, dynamic=strategy.dynamic),
+                                    previous))
     return applied

@@ -26,7 +26,6 @@ import warnings
 
 import torch
 
-from ..._common.patch import patch, unpatch
 from ..autotune.strategy import has_forward_hooks
 
 __all__ = ["fuse_layers", "unfuse_layers", "is_fused", "compiler_problem"]
@@ -84,11 +83,11 @@ def fuse_layers(layers) -> None:
         if "forward" in vars(layer):
             raise RuntimeError(f"{type(layer).__name__}.forward is already wrapped by someone else; not compiling it")
     for layer in layers:
-        patch(layer, "forward", _FusedForward(layer), owner="varlen")
+        layer.forward = _FusedForward(layer)
 
 
 def unfuse_layers(layers) -> None:
     """Remove the compiled forwards (no-op on layers without one)."""
     for layer in layers:
         if is_fused(layer):
-            unpatch(layer, "forward")
+            del layer.forward
