@@ -86,3 +86,21 @@ def test_disable_undoes_a_compiled_models_forward_and_status_lists_it():
     slipstream.disable()
     assert not is_compiled(model) and "forward" not in vars(model)
     assert torch.equal(model(torch.ones(4)), torch.nn.functional.linear(torch.ones(4), model.weight, model.bias))
+
+
+def test_compile_stacks_over_the_varlen_pass_and_disable_undoes_both_newest_first():
+    import slipstream
+    from slipstream.core_compile import apply_varlen, is_varlen_patched
+    from slipstream.core_compile.autotune.autotuner import is_compiled
+    from slipstream.recipes.model import build_model
+
+    model = build_model("llama-tiny", vocab_size=128, seed=0)
+    stock_forward = model.forward
+    apply_varlen(model)
+    slipstream.compile(model, config=slipstream.CompileConfig(strategy="eager", verbose=False))
+    assert is_varlen_patched(model) and is_compiled(model) and slipstream.compile_report(model) is not None
+    owners = [p.split(":")[0] for p in slipstream.status()["patches"]]
+    assert "varlen" in owners and "compile" in owners
+    slipstream.disable()
+    assert not is_compiled(model) and not is_varlen_patched(model) and "forward" not in vars(model)
+    assert model.forward == stock_forward and model.config._attn_implementation != "slipstream_varlen"
