@@ -97,3 +97,17 @@ def test_tiny_models_build_from_configs_deterministically(name):
 
 def test_benchmark_model_has_about_twenty_million_parameters():
     assert 18e6 <= count_parameters(build_model("llama-20m", vocab_size=8192)) <= 22e6
+
+
+def test_every_cache_lives_under_xdg_cache_home_and_kinds_keep_their_own_variable(tmp_path, monkeypatch):
+    from slipstream.core_comm.tuner import default_cache_dir as tuner_dir
+    from slipstream.core_compile.autotune.cache import default_dir as compile_dir
+    from slipstream.recipes.tokenizer import default_cache_dir as tokenizer_dir
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("SLIPSTREAM_TUNER_DIR", raising=False)
+    monkeypatch.delenv("SLIPSTREAM_COMPILE_DIR", raising=False)
+    assert [tokenizer_dir(), tuner_dir(), compile_dir()] == [tmp_path / "slipstream" / k
+                                                             for k in ("tokenizer", "tuner", "compile")]
+    monkeypatch.setenv("SLIPSTREAM_TUNER_DIR", str(tmp_path / "mine"))
+    assert tuner_dir() == tmp_path / "mine"

@@ -2,16 +2,17 @@
 
 :func:`build_tokenizer` trains a byte-level BPE (``tokenizers`` library) on generated alpaca
 text plus the prompt templates, writes it atomically to
-``~/.cache/slipstream/tokenizer-bpe-v<vocab>-s<seed>.json`` and reuses it afterwards. Byte
-level means any text, real English included, tokenises without unknown tokens.
+``$XDG_CACHE_HOME/slipstream/tokenizer/tokenizer-bpe-v<vocab>-s<seed>.json`` and reuses it
+afterwards. Byte level means any text, real English included, tokenises without unknown tokens.
 """
 
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
+
+from .._common import cache
 
 __all__ = ["SPECIAL_TOKENS", "build_tokenizer", "default_cache_dir", "load_tokenizer"]
 
@@ -20,7 +21,8 @@ _TRAIN_RECORDS = 4000
 
 
 def default_cache_dir() -> Path:
-    return Path.home() / ".cache" / "slipstream"
+    """``$XDG_CACHE_HOME/slipstream/tokenizer`` (``~/.cache/...`` without it)."""
+    return cache.cache_dir("tokenizer")
 
 
 def build_tokenizer(vocab_size: int = 8192, *, seed: int = 0, cache_dir: str | Path | None = None) -> Any:
@@ -55,12 +57,7 @@ def _train(vocab_size: int, seed: int, path: Path) -> None:
         show_progress=False,
     )
     tok.train_from_iterator(corpus(), trainer=trainer)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # atomic: concurrent builders (test workers, ranks) never read a half-written file
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-    os.close(fd)
-    tok.save(tmp)
-    os.replace(tmp, path)
+    cache.write_atomic(path, tok.save)  # concurrent builders (test workers, ranks) never read half a file
 
 
 def load_tokenizer(path: str | None = None, *, vocab_size: int = 8192, cache_dir: str | Path | None = None) -> Any:
