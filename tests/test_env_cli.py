@@ -44,3 +44,12 @@ def test_env_json_reports_topology_fast_paths_routes_tuned_plan_and_versions(tmp
     assert env["tuned"]["source"] == "cached"
     measured = {(e["kind"], e["nbytes"]): e["choice"]["algorithm"] for e in tune["plan"]["entries"]}
     assert {(c["kind"], c["nbytes"]): c["algorithm"] for c in env["tuned"]["choices"]} == measured
+
+
+def test_env_json_prints_the_settings_of_slipstream_config(tmp_path, monkeypatch):
+    path = tmp_path / "slipstream.json"
+    path.write_text(json.dumps({"varlen": {"enabled": True}, "comm": {"chunk_bytes": 1 << 20}}))
+    monkeypatch.setenv("SLIPSTREAM_CONFIG", str(path))
+    env = _cli("env", "--json", "--ranks-per-node", "2", "--cache-dir", str(tmp_path / "tuner"))
+    assert env["config"]["chunk_bytes"] == 1 << 20  # the communicator built from the file's comm part
+    assert env["settings"]["comm"]["chunk_bytes"] == 1 << 20 and env["settings"]["varlen"]["backend"] == "auto"

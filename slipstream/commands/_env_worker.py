@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from slipstream.cluster.worker import run_worker
+from slipstream.config import SlipstreamConfig
 from slipstream.core_comm import Communicator, pool
 from slipstream.core_comm.topology import host_identity, node_key_from_env
 from slipstream.core_comm.tuner.measure import collective_buffers
@@ -74,6 +75,12 @@ def _routes(comm: Communicator, plan) -> list[dict]:
     return rows
 
 
+def _settings() -> dict | None:
+    """The ``SLIPSTREAM_CONFIG`` file's whole section as the job reads it (None: no file)."""
+    settings = SlipstreamConfig.from_env()
+    return settings.to_dict() if settings is not None else None
+
+
 def options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache-dir")
 
@@ -92,7 +99,8 @@ def probe(args: argparse.Namespace) -> dict:
         "topology": {"num_nodes": topo.num_nodes, "node_sizes": list(topo.node_sizes), "node_of": list(topo.node_of),
                      "uniform": topo.is_uniform, "blocked": topo.is_blocked,
                      "ranks": [{"rank": r, "node": topo.node_of[r], **info} for r, info in enumerate(ranks)]},
-        "config": asdict(comm.config),
+        "config": comm.config.to_dict(),
+        "settings": _settings(),
         "fast_paths": _fast_paths(comm),
         "unavailable": comm.unavailable,
         "routes": _routes(comm, plan),
