@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from typing import Collection, Mapping
 
 from ..._common.patch import patch, unpatch
-from ..._status import warn_once
+from ..._common.record import warn_once
 
 __all__ = ["LockPolicy", "Mark", "Verdict", "install", "judge", "lock_files", "remove_locks_of", "uninstall"]
 
