@@ -1,23 +1,11 @@
 """``slipstream.data.AsyncLoader``: batches prepared on a background thread, ahead of the step.
 
-``AsyncLoader(loader, device)`` iterates ``loader`` (its collation, tokenisation, and an
-optional ``transform`` such as the varlen packing) on a background thread, ``prefetch``
-batches ahead of the training loop. For a CUDA device, tensors are pinned and copied with
-``non_blocking=True`` on a side stream, and the loop's stream waits for that copy before the
-batch is handed over; elsewhere batches stay where the loader put them and only the
-preparation overlaps the step.
-
 A thread overlaps the step only with collation that releases the interpreter lock (tensor
-work, tokenizers written in Rust). For collation in Python, ``process=True`` iterates
-``loader`` (and runs ``transform``) in a forked child process instead; its batches come back
-through shared memory (``torch.multiprocessing``), and the thread only receives them and moves
-them to the device. The child is a copy of the process at the first ``next``: what the loader
-changes while iterating (a sampler's position, counters) changes in the child only.
-
-An exception raised while preparing a batch is raised in the training loop at that batch, with
-the worker's traceback (a child's, as the exception's cause). Leaving the loop early
-(``break``, an exception in the step) stops the thread and the child: when the iterator is
-closed or collected, or at the end of a ``with`` block.
+work, tokenizers written in Rust); ``process=True`` collates in a forked child instead, whose
+batches come back through shared memory. The child is a copy of the process at the first
+``next``: what the loader changes while iterating (a sampler's position) changes in the child
+only. Leaving the loop early stops the thread and the child: when the iterator is closed or
+collected, or at the end of a ``with`` block.
 """
 
 from __future__ import annotations
@@ -39,7 +27,9 @@ _POLL_S = 0.1  # how often a blocked side checks that the other is still there
 class AsyncLoader:
     """Iterate ``loader`` on a background thread (``process=True``: in a forked child process),
     ``prefetch`` batches ahead, each batch passed through ``transform`` (if given) and moved to
-    ``device`` (if given)."""
+    ``device`` (if given: for CUDA, pinned and copied ``non_blocking`` on a side stream, and the
+    loop's stream waits for the copy). An error preparing a batch is raised in the loop at that
+    batch, with the worker's traceback (a child's, as the exception's cause)."""
 
     def __init__(self, loader: Iterable, device: torch.device | str | None = None, *, prefetch: int = 2,
                  transform: Callable[[Any], Any] | None = None, process: bool = False) -> None:
@@ -71,14 +61,11 @@ class _Prefetcher(Iterator):
         # collected, and its collection stops the thread
         source, transform = owner.loader, owner.transform
         if owner.process:  # the child collates and transforms; the thread receives and moves
-            source, transform = _Forked(owner.loader, owner.transform, owner.prefetch), None
+            source, transform = _forked(owner.loader, owner.transform, owner.prefetch), None
         self._thread = threading.Thread(target=_produce, name="slipstream-async-loader", daemon=True,
-                                        args=(source, transform, self._queue, self._stop,
-                                              self._device, stream))
+                                        args=(source, transform, self._queue, self._stop, self._device, stream))
         self._done = False
         self._thread.start()
-
-    # ------------------------------------------------------------------ the training loop
 
     def __next__(self):
         if self._done:
@@ -94,15 +81,12 @@ class _Prefetcher(Iterator):
         if isinstance(item, BaseException):
             self.close()
             raise item  # its __traceback__ holds the loader thread's frames
-        batch, moved = item
-        if moved is None:
-            return batch
-        moved, event = moved
+        batch, event = item
         if event is not None:  # the loop's stream waits for the copy; the copy's memory lives on it
             current = torch.cuda.current_stream(self._device)
             current.wait_event(event)
-            _map(moved, lambda t: t.record_stream(current) or t)
-        return moved
+            _map(batch, lambda t: t.record_stream(current) or t)
+        return batch
 
     def close(self, join_s: float = 30.0) -> None:
         """Stop the thread and drop prefetched batches; wait up to ``join_s`` for the thread to
@@ -139,11 +123,11 @@ def _produce(loader, transform, q: queue.Queue, stop: threading.Event, device, s
                 return
             if transform is not None:
                 batch = transform(batch)
-            if not _put(q, stop, (batch, _to_device(batch, device, stream))):
+            if not _put(q, stop.is_set, _to_device(batch, device, stream)):
                 return
-        _put(q, stop, _END)
+        _put(q, stop.is_set, _END)
     except BaseException as e:  # noqa: BLE001 - raised in the training loop instead
-        _put(q, stop, e)
+        _put(q, stop.is_set, e)
     finally:
         close = getattr(batches, "close", None)  # a generator's (a child process's) clean-up runs now
         if close is not None:
@@ -161,8 +145,9 @@ def _get(q, alive: Callable[[], bool]):
                 return q.get(timeout=_POLL_S)
 
 
-def _put(q: queue.Queue, stop: threading.Event, item) -> bool:
-    while not stop.is_set():
+def _put(q, stopped: Callable[[], bool], item) -> bool:
+    """Put ``item`` into ``q`` unless ``stopped()`` first; whether it was put."""
+    while not stopped():
         try:
             q.put(item, timeout=_POLL_S)
             return True
@@ -172,9 +157,9 @@ def _put(q: queue.Queue, stop: threading.Event, item) -> bool:
 
 
 def _to_device(batch, device, stream):
-    """``(the batch on device, the CUDA event that says the copy is done)``, or None."""
+    """``(the batch on device, the CUDA event that says the copy is done, or None)``."""
     if device is None:
-        return None
+        return batch, None
     if stream is None:
         return _map(batch, lambda t: t.to(device)), None
     with torch.cuda.stream(stream):
@@ -208,43 +193,36 @@ class _RemoteTraceback(Exception):
         return self.args[0]
 
 
-class _Forked:
-    """Iterating it forks a child that iterates ``loader`` (and ``transform``) and sends each
-    batch back through a ``torch.multiprocessing`` queue; closing the iterator stops the child."""
-
-    def __init__(self, loader, transform, prefetch: int) -> None:
-        self.loader, self.transform, self.prefetch = loader, transform, prefetch
-
-    def __iter__(self):
-        ctx = torch.multiprocessing.get_context("fork")
-        q, done = ctx.Queue(maxsize=self.prefetch), ctx.Event()
-        child = ctx.Process(target=_child, args=(self.loader, self.transform, q, done, os.getpid()),
-                            name="slipstream-async-loader", daemon=True)
-        child.start()
-        try:
-            while True:
-                try:
-                    kind, payload = _get(q, child.is_alive)
-                except queue.Empty:
-                    raise RuntimeError(f"slipstream AsyncLoader: its process exited (code {child.exitcode}) "
-                                       "without a batch or an error") from None
-                if kind == "end":
-                    return
-                if kind == "error":
-                    error, text = payload
-                    raise error from _RemoteTraceback(f"in the AsyncLoader's process:\n{text}")
-                yield payload
-        finally:
-            done.set()
-            child.join(timeout=_POLL_S * 10)
-            if child.is_alive():  # still collating, or blocked on a full queue
-                child.terminate()
-                child.join(timeout=5)
+def _forked(loader, transform, prefetch: int):
+    """Forks (at the first ``next``) a child that iterates ``loader`` (and ``transform``) and
+    sends each batch back through a ``torch.multiprocessing`` queue; closing stops the child."""
+    ctx = torch.multiprocessing.get_context("fork")
+    q, done = ctx.Queue(maxsize=prefetch), ctx.Event()
+    child = ctx.Process(target=_child, args=(loader, transform, q, done, os.getpid()),
+                        name="slipstream-async-loader", daemon=True)
+    child.start()
+    try:
+        while True:
+            try:
+                kind, payload = _get(q, child.is_alive)
+            except queue.Empty:
+                raise RuntimeError(f"slipstream AsyncLoader: its process exited (code {child.exitcode}) "
+                                   "without a batch or an error") from None
+            if kind == "end":
+                return
+            if kind == "error":
+                error, text = payload
+                raise error from _RemoteTraceback(f"in the AsyncLoader's process:\n{text}")
+            yield payload
+    finally:
+        done.set()
+        child.join(timeout=_POLL_S * 10)
+        for end in (child.terminate, child.kill):  # still collating, or blocked on a full queue
             if child.is_alive():
-                child.kill()
+                end()
                 child.join(timeout=5)
-            q.cancel_join_thread()
-            q.close()
+        q.cancel_join_thread()
+        q.close()
 
 
 def _child(loader, transform, q, done, parent: int) -> None:
@@ -253,30 +231,21 @@ def _child(loader, transform, q, done, parent: int) -> None:
     import pickle
 
     torch.set_num_threads(1)  # one core's worth of collation; the step keeps the rest
-    stop = _Gone(done, parent)
+    stopped = lambda: done.is_set() or os.getppid() != parent  # noqa: E731 - or the parent died
     try:
         for batch in loader:
             if transform is not None:
                 batch = transform(batch)
-            if not _put(q, stop, ("batch", batch)):
+            if not _put(q, stopped, ("batch", batch)):
                 return
-        _put(q, stop, ("end", None))
+        _put(q, stopped, ("end", None))
     except BaseException as e:  # noqa: BLE001 - raised in the training loop instead
         text = traceback.format_exc()
         try:
             pickle.dumps(e)
         except Exception:  # noqa: BLE001 - an exception that cannot cross: its text does
             e = RuntimeError(f"{type(e).__name__}: {e}")
-        _put(q, stop, ("error", (e, text)))
-    while not done.wait(_POLL_S * 10) and not stop.is_set():
+        _put(q, stopped, ("error", (e, text)))
+    while not done.wait(_POLL_S * 10) and not stopped():
         pass
 
-
-class _Gone:
-    """The child's stop flag: the parent said it is done, or has died."""
-
-    def __init__(self, done, parent: int) -> None:
-        self.done, self.parent = done, parent
-
-    def is_set(self) -> bool:
-        return self.done.is_set() or os.getppid() != self.parent
