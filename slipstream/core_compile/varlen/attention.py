@@ -43,20 +43,17 @@ class VarlenContext:
     """FlexAttention block masks built this forward, per sliding window (built once, reused by layers)."""
 
 
-def _half(dtype: torch.dtype) -> bool:
-    return dtype in (torch.float16, torch.bfloat16)
-
-
 def _why_not(backend: str, q: torch.Tensor, dropout: float) -> str | None:
     """``None`` if ``backend`` can run this call, else the reason it cannot."""
     cuda = q.device.type == "cuda"
+    half = q.dtype in (torch.float16, torch.bfloat16)
     if backend == "flash":
-        if not (cuda and _half(q.dtype)):
+        if not (cuda and half):
             return "flash-attn varlen needs a CUDA tensor in fp16/bf16"
         if importlib.util.find_spec("flash_attn") is None:
             return "flash-attn is not installed (pip install flash-attn)"
     elif backend == "torch_varlen":
-        if not (cuda and _half(q.dtype)):
+        if not (cuda and half):
             return "torch varlen_attn needs a CUDA tensor in fp16/bf16"
         if importlib.util.find_spec("torch.nn.attention.varlen") is None:
             return "this torch has no torch.nn.attention.varlen (torch >= 2.9)"
@@ -77,7 +74,7 @@ def _why_not(backend: str, q: torch.Tensor, dropout: float) -> str | None:
 def resolve_backend(backend: str, query: torch.Tensor, dropout: float = 0.0) -> str:
     """The backend that runs this call: ``backend`` itself if it can, else raise; ``auto`` picks."""
     if backend == "auto":
-        order = ("flash", "torch_varlen", "flex", "sdpa") if query.device.type == "cuda" else ("sdpa",)
+        order = BACKENDS if query.device.type == "cuda" else ("sdpa",)
         return next(b for b in order if _why_not(b, query, dropout) is None)
     reason = _why_not(backend, query, dropout)
     if reason is not None:
@@ -90,16 +87,8 @@ def available_backends(query: torch.Tensor, dropout: float = 0.0) -> list[str]:
     return [b for b in BACKENDS if _why_not(b, query, dropout) is None]
 
 
-def varlen_attention(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    ctx: VarlenContext,
-    *,
-    scaling: float,
-    sliding_window: int | None = None,
-    dropout: float = 0.0,
-) -> torch.Tensor:
+def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ctx: VarlenContext, *,
+                     scaling: float, sliding_window: int | None = None, dropout: float = 0.0) -> torch.Tensor:
     """Causal attention inside each packed sequence.
 
     ``query``: ``(1, heads, total_tokens, head_dim)``; ``key``/``value``: ``(1, kv_heads,
@@ -109,9 +98,8 @@ def varlen_attention(
     tokens before it (Hugging Face's convention).
     """
     if query.shape[0] != 1 or query.shape[2] != ctx.packed.total_tokens:
-        raise ValueError(
-            f"varlen attention expects (1, heads, {ctx.packed.total_tokens}, head_dim), got {tuple(query.shape)}"
-        )
+        raise ValueError(f"varlen attention expects (1, heads, {ctx.packed.total_tokens}, head_dim), "
+                         f"got {tuple(query.shape)}")
     backend = resolve_backend(ctx.backend, query, dropout)
     ctx.calls += 1
     if backend == "sdpa":
@@ -125,15 +113,13 @@ def varlen_attention(
     if backend == "flash":
         from flash_attn import flash_attn_varlen_func
 
-        out = flash_attn_varlen_func(
-            q, k, v, cu, cu, n, n, dropout_p=dropout, softmax_scale=scaling, causal=True, window_size=window
-        )
+        out = flash_attn_varlen_func(q, k, v, cu, cu, n, n, dropout_p=dropout, softmax_scale=scaling, causal=True,
+                                     window_size=window)
     else:
         from torch.nn.attention.varlen import varlen_attn
 
-        out = varlen_attn(
-            q, k, v, cu, cu, n, n, scale=scaling, window_size=(window[0], 0), enable_gqa=q.shape[1] != k.shape[1]
-        )
+        out = varlen_attn(q, k, v, cu, cu, n, n, scale=scaling, window_size=(window[0], 0),
+                          enable_gqa=q.shape[1] != k.shape[1])
     return out.unsqueeze(0)
 
 
@@ -155,12 +141,10 @@ def _sdpa(query, key, value, packed, scaling, sliding_window, dropout):
         length = q.shape[2]
         if length == 0:
             continue
-        if sliding_window is not None and length > sliding_window:
-            mask = _window_mask(length, sliding_window, query.device)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling, enable_gqa=gqa)
-        else:
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout, scale=scaling, enable_gqa=gqa)
-        outs.append(o)
+        windowed = sliding_window is not None and length > sliding_window
+        mask = _window_mask(length, sliding_window, query.device) if windowed else None
+        outs.append(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, dropout_p=dropout,
+                                                   scale=scaling, enable_gqa=gqa))
     return torch.cat(outs, dim=2).transpose(1, 2)
 
 
@@ -170,16 +154,14 @@ def _flex(query, key, value, ctx, scaling, sliding_window):
     block_mask = ctx.block_masks.get(sliding_window)
     if block_mask is None:
         seq_ids = ctx.packed.seq_ids
-        window = sliding_window
 
         def document_causal(b, h, q_idx, kv_idx):
             keep = (seq_ids[q_idx] == seq_ids[kv_idx]) & (q_idx >= kv_idx)
-            return keep if window is None else keep & (q_idx - kv_idx < window)
+            return keep if sliding_window is None else keep & (q_idx - kv_idx < sliding_window)
 
         n = ctx.packed.total_tokens
         block_mask = create_block_mask(document_causal, None, None, n, n, device=query.device)
         ctx.block_masks[sliding_window] = block_mask
-    out = flex_attention(
-        query, key, value, block_mask=block_mask, scale=scaling, enable_gqa=query.shape[1] != key.shape[1]
-    )
+    out = flex_attention(query, key, value, block_mask=block_mask, scale=scaling,
+                         enable_gqa=query.shape[1] != key.shape[1])
     return out.transpose(1, 2)

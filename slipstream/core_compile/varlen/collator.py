@@ -21,9 +21,10 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-__all__ = ["CollatorConfig", "FlattenCollator", "best_fit_decreasing"]
+from .loss import IGNORE_INDEX
+from .packing import PackedBatch
 
-IGNORE_INDEX = -100
+__all__ = ["CollatorConfig", "FlattenCollator", "best_fit_decreasing"]
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -66,11 +67,7 @@ class FlattenCollator:
     def __call__(self, features: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         if not features:
             raise ValueError("cannot collate an empty batch")
-        ids, labels = [], []
-        for i, feature in enumerate(features):
-            x, y = self._sample(i, feature)
-            ids.append(x)
-            labels.append(y)
+        ids, labels = map(list, zip(*(self._sample(i, feature) for i, feature in enumerate(features))))
         lengths = [len(x) for x in ids]
         total = sum(lengths)
         multiple = self.config.pad_to_multiple_of
@@ -84,18 +81,15 @@ class FlattenCollator:
         for y in labels:
             if len(y):
                 y[0] = IGNORE_INDEX  # no target across the boundary
-        cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
-        torch.cumsum(torch.tensor(lengths), 0, out=cu[1:])
-        positions = torch.cat([torch.arange(n) for n in lengths])
-        longest = max(lengths)
+        packed = PackedBatch.from_lengths(lengths)
         return {
             "input_ids": torch.cat(ids).unsqueeze(0),
             "labels": torch.cat(labels).unsqueeze(0),
-            "position_ids": positions.unsqueeze(0),
-            "cu_seq_lens_q": cu,
-            "cu_seq_lens_k": cu.clone(),
-            "max_length_q": longest,
-            "max_length_k": longest,
+            "position_ids": packed.position_ids,
+            "cu_seq_lens_q": packed.cu_seqlens,
+            "cu_seq_lens_k": packed.cu_seqlens.clone(),
+            "max_length_q": packed.max_seqlen,
+            "max_length_k": packed.max_seqlen,
         }
 
     def _sample(self, index: int, feature: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:

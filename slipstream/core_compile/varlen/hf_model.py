@@ -89,27 +89,24 @@ def is_patched(model: torch.nn.Module) -> bool:
 def _check_supported(model: torch.nn.Module) -> None:
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
-        raise NotImplementedError(
-            f"the varlen pass supports Hugging Face causal LMs of type {sorted(SUPPORTED_MODEL_TYPES)}; "
-            f"got model_type={model_type!r}. Its attention may not honour sequence boundaries, so it is refused."
-        )
+        raise NotImplementedError(f"the varlen pass supports Hugging Face causal LMs of type "
+                                  f"{sorted(SUPPORTED_MODEL_TYPES)}; got model_type={model_type!r}. Its attention "
+                                  "may not honour sequence boundaries, so it is refused.")
     inner = getattr(model, "model", None)
     missing = [n for n in ("embed_tokens", "layers", "norm", "rotary_emb") if not hasattr(inner, n)]
     if missing or not hasattr(model, "lm_head"):
-        raise NotImplementedError(
-            f"{type(model).__name__} does not have the Llama-family layout (model.model.{{embed_tokens, layers, "
-            f"norm, rotary_emb}}, lm_head); missing: {missing or ['lm_head']}"
-        )
+        raise NotImplementedError(f"{type(model).__name__} does not have the Llama-family layout (model.model."
+                                  "{embed_tokens, layers, norm, rotary_emb}, lm_head); missing: "
+                                  f"{missing or ['lm_head']}")
 
 
 def _hf_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sliding_window=None, **kwargs):
     """The function registered as ``slipstream_varlen`` in transformers' ``AttentionInterface``."""
     ctx = kwargs.pop("slipstream_varlen", None)
     if ctx is None:
-        raise RuntimeError(
-            "slipstream varlen attention was called without packed-sequence metadata; call the patched "
-            "model or its decoder (model.model), or unpatch the model to use its layers directly"
-        )
+        raise RuntimeError("slipstream varlen attention was called without packed-sequence metadata; call the "
+                           "patched model or its decoder (model.model), or unpatch the model to use its layers "
+                           "directly")
     if attention_mask is not None or not getattr(module, "is_causal", True):
         raise RuntimeError("slipstream varlen attention supports causal attention without an extra mask only")
     unsupported = [k for k in ("softcap", "s_aux") if kwargs.get(k) is not None]
@@ -145,13 +142,9 @@ def apply(model: torch.nn.Module, config: VarlenConfig | None = None) -> torch.n
         if attn_name not in AttentionInterface._global_mapping:
             AttentionInterface.register(attn_name, torch.compiler.disable(_hf_attention))
     wrapped = "forward" in vars(model)  # by accelerate, TRL's fused LM head, another patch: kept
-    state = _PatchState(
-        config=config,
-        original_forward=None if wrapped else model.forward,
-        original_backbone_forward=model.model.forward,
-        original_attn_implementation=model.config._attn_implementation,
-        attn_name=attn_name,
-    )
+    state = _PatchState(config=config, original_forward=None if wrapped else model.forward,
+                        original_backbone_forward=model.model.forward,
+                        original_attn_implementation=model.config._attn_implementation, attn_name=attn_name)
     model.config._attn_implementation = attn_name
     setattr(model, _MARKER, state)
     setattr(model.model, _MARKER, state)
@@ -206,38 +199,33 @@ def _wants_original(kwargs, logits_to_keep=0) -> bool:
     return bool(logits_to_keep) or any(kwargs.get(k) not in (None, False) for k in _GENERATION_ARGS)
 
 
-def _resolve_packed(input_ids, inputs_embeds, attention_mask, position_ids, kwargs):
-    """The packed metadata for this call, and whether the inputs are in padded layout."""
+def _resolve_packed(kwargs, attention_mask, input_ids, inputs_embeds, position_ids, *more):
+    """The packed metadata for this call, whether the inputs are in padded layout, and
+    ``[input_ids, inputs_embeds, position_ids, *more]`` on the packed row."""
     packed = kwargs.pop("packed", None)
     cu = kwargs.pop("cu_seq_lens_q", None)
     for name in ("cu_seq_lens_k", "max_length_q", "max_length_k"):
         kwargs.pop(name, None)  # describe the same boundaries as cu_seq_lens_q
     tokens = input_ids if input_ids is not None else inputs_embeds
-    device = tokens.device
+    tensors = [input_ids, inputs_embeds, position_ids, *more]
     if packed is None and cu is not None:
         packed = PackedBatch.from_cu_seqlens(cu)  # host sync if cu is on a GPU
     if packed is not None:
         if attention_mask is not None and not bool(attention_mask.all()):
             raise ValueError("a packed batch cannot also carry padding in attention_mask")
-        return packed.to(device, non_blocking=True), False
+        return packed.to(tokens.device, non_blocking=True), False, tensors
     if attention_mask is None and position_ids is not None and tokens.shape[0] == 1:
-        return PackedBatch.from_position_ids(position_ids), False
+        return PackedBatch.from_position_ids(position_ids), False, tensors
     if attention_mask is None:
-        attention_mask = torch.ones(tokens.shape[:2], dtype=torch.bool, device=device)
-    return PackedBatch.from_attention_mask(attention_mask), True
+        attention_mask = torch.ones(tokens.shape[:2], dtype=torch.bool, device=tokens.device)
+    packed = PackedBatch.from_attention_mask(attention_mask)
+    if position_ids is not None:
+        tensors[2] = position_ids.expand(packed.padded_shape)  # (1, seq) broadcasts over the batch
+    return packed, True, [None if t is None else packed.unpad(t) for t in tensors]
 
 
-def _varlen_forward(
-    self,
-    input_ids=None,
-    attention_mask=None,
-    position_ids=None,
-    inputs_embeds=None,
-    labels=None,
-    logits_to_keep=0,
-    return_dict=None,
-    **kwargs,
-):
+def _varlen_forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, labels=None,
+                    logits_to_keep=0, return_dict=None, **kwargs):
     """The patched ``forward``; arguments as the model's own. Logits: see ``VarlenConfig.logits``."""
     state: _PatchState = vars(self)[_MARKER]
     if _wants_original(kwargs, logits_to_keep):
@@ -245,26 +233,22 @@ def _varlen_forward(
             return state.original_forward(
                 input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                 inputs_embeds=inputs_embeds, labels=labels, logits_to_keep=logits_to_keep,
-                return_dict=return_dict, **kwargs,
-            )  # fmt: skip
+                return_dict=return_dict, **kwargs)  # fmt: skip
     for k in _GENERATION_ARGS:
         kwargs.pop(k, None)
-    packed, padded = _resolve_packed(input_ids, inputs_embeds, attention_mask, position_ids, kwargs)
     shift_labels = kwargs.pop("shift_labels", None)
     num_items_in_batch = kwargs.pop("num_items_in_batch", None)
-    if padded:
-        if position_ids is not None:
-            position_ids = position_ids.expand(packed.padded_shape)  # (1, seq) broadcasts over the batch
-        input_ids, inputs_embeds, position_ids, labels, shift_labels = (
-            None if t is None else packed.unpad(t)
-            for t in (input_ids, inputs_embeds, position_ids, labels, shift_labels)
-        )
+    packed, padded, (input_ids, inputs_embeds, position_ids, labels, shift_labels) = _resolve_packed(
+        kwargs, attention_mask, input_ids, inputs_embeds, position_ids, labels, shift_labels)
     hidden = _packed_hidden(self.model, state, packed, input_ids, inputs_embeds, position_ids, kwargs)
     logits = self.lm_head(hidden)
     loss = None
     if labels is not None:  # as the stock model: shift_labels alone computes no loss
         loss = _packed_loss(self, logits, packed, labels, shift_labels, num_items_in_batch)
-    if padded and _pad_logits(state.config.logits, self.training, loss is not None):
+    layout = state.config.logits
+    if layout == "auto":  # packed for a training step that computes its loss
+        layout = "packed" if self.training and loss is not None and torch.is_grad_enabled() else "padded"
+    if padded and layout == "padded":
         logits = packed.pad(logits)
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
@@ -282,15 +266,11 @@ def _packed_hidden(inner, state: _PatchState, packed: PackedBatch, input_ids, in
     ctx = VarlenContext(packed=packed, backend=state.config.backend)
     layers = inner.layers[: inner.config.num_hidden_layers]
     for layer in layers:
-        hidden = layer(
-            hidden, attention_mask=None, position_embeddings=rotary, position_ids=positions,
-            slipstream_varlen=ctx, **kwargs,
-        )  # fmt: skip
+        hidden = layer(hidden, attention_mask=None, position_embeddings=rotary, position_ids=positions,
+                       slipstream_varlen=ctx, **kwargs)
     if ctx.calls < len(layers):
-        raise RuntimeError(
-            f"only {ctx.calls} of {len(layers)} attention layers went through the varlen attention; the "
-            "others would attend across sequence boundaries"
-        )
+        raise RuntimeError(f"only {ctx.calls} of {len(layers)} attention layers went through the varlen attention; "
+                           "the others would attend across sequence boundaries")
     return inner.norm(hidden)
 
 
@@ -304,29 +284,16 @@ def _varlen_backbone_forward(self, input_ids=None, attention_mask=None, position
     state: _PatchState = vars(self)[_MARKER]
     kwargs.update(past_key_values=past_key_values, use_cache=use_cache)
     if _wants_original(kwargs):
-        self.config._attn_implementation = state.original_attn_implementation
-        try:
+        with _original_attention(self):
             return state.original_backbone_forward(
                 input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                 inputs_embeds=inputs_embeds, **kwargs)  # fmt: skip
-        finally:
-            self.config._attn_implementation = state.attn_name
     for k in (*_GENERATION_ARGS, "cache_position", "return_dict"):
         kwargs.pop(k, None)
-    packed, padded = _resolve_packed(input_ids, inputs_embeds, attention_mask, position_ids, kwargs)
-    if padded:
-        if position_ids is not None:
-            position_ids = position_ids.expand(packed.padded_shape)
-        input_ids, inputs_embeds, position_ids = (
-            None if t is None else packed.unpad(t) for t in (input_ids, inputs_embeds, position_ids))
+    packed, padded, (input_ids, inputs_embeds, position_ids) = _resolve_packed(
+        kwargs, attention_mask, input_ids, inputs_embeds, position_ids)
     hidden = _packed_hidden(self, state, packed, input_ids, inputs_embeds, position_ids, kwargs)
     return BaseModelOutputWithPast(last_hidden_state=packed.pad(hidden) if padded else hidden)
-
-
-def _pad_logits(layout: str, training: bool, has_loss: bool) -> bool:
-    if layout == "auto":
-        return not (training and has_loss and torch.is_grad_enabled())
-    return layout == "padded"
 
 
 def _packed_loss(model, logits, packed, labels, shift_labels, num_items_in_batch):
@@ -338,10 +305,5 @@ def _packed_loss(model, logits, packed, labels, shift_labels, num_items_in_batch
     if shift_labels is not None:
         ends = starts_t[1:] - 1  # the last token of each sequence predicts the next sequence's start
         shift_labels = shift_labels.index_fill(-1, ends, -100) if ends.numel() else shift_labels
-    return model.loss_function(
-        logits=logits,
-        labels=labels,
-        vocab_size=model.config.vocab_size,
-        num_items_in_batch=num_items_in_batch,
-        shift_labels=shift_labels,
-    )
+    return model.loss_function(logits=logits, labels=labels, vocab_size=model.config.vocab_size,
+                               num_items_in_batch=num_items_in_batch, shift_labels=shift_labels)

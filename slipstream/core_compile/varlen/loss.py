@@ -48,13 +48,8 @@ def count_target_tokens(labels: torch.Tensor, ignore_index: int = IGNORE_INDEX) 
     return (labels[..., 1:] != ignore_index).sum()
 
 
-def global_token_count(
-    micro_batch_labels: Iterable[torch.Tensor],
-    *,
-    group: dist.ProcessGroup | None,
-    ignore_index: int = IGNORE_INDEX,
-    device: torch.device | str | None = None,
-) -> torch.Tensor:
+def global_token_count(micro_batch_labels: Iterable[torch.Tensor], *, group: dist.ProcessGroup | None,
+                       ignore_index: int = IGNORE_INDEX, device: torch.device | str | None = None) -> torch.Tensor:
     """Target tokens of a whole optimizer step: summed over this rank's micro-batches and over
     the ranks of ``group`` (one all-reduce). ``group=None`` means no data parallelism, not
     WORLD: pass ``dist.group.WORLD`` to reduce over every rank.
@@ -79,19 +74,12 @@ def sum_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, ignore_index: 
     sequence start (the collator and the varlen pass do this).
     """
     shifted = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-    return F.cross_entropy(
-        logits.float().reshape(-1, logits.shape[-1]), shifted.reshape(-1), ignore_index=ignore_index, reduction="sum"
-    )
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), shifted.reshape(-1),
+                           ignore_index=ignore_index, reduction="sum")
 
 
-def step_loss(
-    loss_sum: torch.Tensor,
-    global_tokens: torch.Tensor | int,
-    *,
-    dp_world_size: int,
-    grad_accum_steps: int,
-    reduction: GradReduction,
-) -> torch.Tensor:
+def step_loss(loss_sum: torch.Tensor, global_tokens: torch.Tensor | int, *, dp_world_size: int,
+              grad_accum_steps: int, reduction: GradReduction) -> torch.Tensor:
     """The micro-step loss to call ``backward`` on (or hand to ``engine.backward``).
 
     ``loss_sum``: this micro-batch's summed loss (:func:`sum_cross_entropy`, or the model's
@@ -101,8 +89,7 @@ def step_loss(
     """
     if dp_world_size < 1 or grad_accum_steps < 1:
         raise ValueError(f"dp_world_size and grad_accum_steps must be >= 1, got {dp_world_size}, {grad_accum_steps}")
-    scale = (dp_world_size if reduction.averages_over_dp else 1) * (
-        grad_accum_steps if reduction.divides_by_grad_accum else 1
-    )
+    scale = ((dp_world_size if reduction.averages_over_dp else 1)
+             * (grad_accum_steps if reduction.divides_by_grad_accum else 1))
     denom = torch.as_tensor(global_tokens, device=loss_sum.device).clamp(min=1).to(loss_sum.dtype)
     return loss_sum * scale / denom

@@ -1,20 +1,9 @@
-"""Metadata of a packed (padding-free) batch: where each sequence starts and ends.
-
-A packed batch holds ``n`` sequences back to back in one row of ``total_tokens`` tokens. This
-module's :class:`PackedBatch` carries everything the model pass needs to treat that row as
-``n`` independent sequences:
-
-- ``lengths``: the host copy of the sequence lengths (a tuple of Python ints), so the CPU
-  attention path and ``max_seqlen`` never need a device-to-host copy inside the model;
-- ``cu_seqlens``: ``(n+1,)`` int32, the offsets flash-attn style kernels take;
-- ``position_ids``: ``(1, total_tokens)`` int64, restarting at 0 for each sequence (rotary);
-- ``seq_ids``: ``(total_tokens,)`` int32, which sequence each token belongs to (document masks);
-- ``indices`` / ``padded_shape``: where each packed token lives in a padded ``(batch, seq)``
-  layout, when the batch came from one, to scatter results back.
-"""
+"""Metadata of a packed (padding-free) batch: ``n`` sequences back to back in one row of
+``total_tokens`` tokens, and what the model pass needs to treat them as independent."""
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -28,13 +17,13 @@ class PackedBatch:
     """Boundaries of the sequences in a packed row; build it with one of the ``from_*`` helpers."""
 
     lengths: tuple[int, ...]
-    """Host copy of each sequence's length (zero allowed: an empty sample keeps its slot)."""
+    """Host copy of each sequence's length, so the model never syncs (zero allowed: an empty sample keeps its slot)."""
     cu_seqlens: torch.Tensor
     """``(n+1,)`` int32 cumulative lengths, ``cu_seqlens[0] == 0``, ``cu_seqlens[-1] == total_tokens``."""
     position_ids: torch.Tensor
-    """``(1, total_tokens)`` int64 position of each token inside its own sequence."""
+    """``(1, total_tokens)`` int64 position of each token inside its own sequence (rotary)."""
     seq_ids: torch.Tensor
-    """``(total_tokens,)`` int32 index of the sequence each token belongs to."""
+    """``(total_tokens,)`` int32 index of the sequence each token belongs to (document masks)."""
     indices: torch.Tensor | None = None
     """``(total_tokens,)`` int64 flat index into ``padded_shape`` of each token, or ``None``."""
     padded_shape: tuple[int, int] | None = None
@@ -51,23 +40,17 @@ class PackedBatch:
         if self.total_tokens == 0:
             raise ValueError("a packed batch needs at least one token; every sequence is empty")
         if self.cu_seqlens.dtype != torch.int32 or self.cu_seqlens.shape != (len(self.lengths) + 1,):
-            raise ValueError(
-                f"cu_seqlens must be int32 of shape ({len(self.lengths) + 1},), got "
-                f"{self.cu_seqlens.dtype} {tuple(self.cu_seqlens.shape)}"
-            )
+            raise ValueError(f"cu_seqlens must be int32 of shape ({len(self.lengths) + 1},), got "
+                             f"{self.cu_seqlens.dtype} {tuple(self.cu_seqlens.shape)}")
         if self.position_ids.shape != (1, self.total_tokens):
-            raise ValueError(
-                f"position_ids must be (1, {self.total_tokens}), got {tuple(self.position_ids.shape)}"
-            )
+            raise ValueError(f"position_ids must be (1, {self.total_tokens}), got {tuple(self.position_ids.shape)}")
         if (self.indices is None) != (self.padded_shape is None):
             raise ValueError("indices and padded_shape come together (both or neither)")
         self.max_seqlen = max(self.lengths)
 
     # ---- construction -------------------------------------------------------------------
     @classmethod
-    def from_lengths(
-        cls, lengths: Sequence[int], *, device: torch.device | str | None = None
-    ) -> "PackedBatch":
+    def from_lengths(cls, lengths: Sequence[int], *, device: torch.device | str | None = None) -> "PackedBatch":
         """Metadata for sequences of ``lengths`` laid out back to back (no host sync)."""
         lengths = tuple(int(n) for n in lengths)
         lens = torch.tensor(lengths, dtype=torch.int64)
@@ -76,17 +59,12 @@ class PackedBatch:
         seq_ids = torch.repeat_interleave(torch.arange(len(lengths), dtype=torch.int32), lens)
         starts = torch.repeat_interleave(cu[:-1].long(), lens)
         positions = (torch.arange(int(lens.sum())) - starts).unsqueeze(0)
-        return cls(
-            lengths=lengths,
-            cu_seqlens=cu.to(device),
-            position_ids=positions.to(device),
-            seq_ids=seq_ids.to(device),
-        )
+        return cls(lengths=lengths, cu_seqlens=cu.to(device), position_ids=positions.to(device),
+                   seq_ids=seq_ids.to(device))
 
     @classmethod
-    def from_sequences(
-        cls, sequences: Sequence[torch.Tensor], *, device: torch.device | str | None = None
-    ) -> tuple[torch.Tensor, "PackedBatch"]:
+    def from_sequences(cls, sequences: Sequence[torch.Tensor], *,
+                       device: torch.device | str | None = None) -> tuple[torch.Tensor, "PackedBatch"]:
         """Concatenate 1-D token tensors into ``(1, total_tokens)`` and describe the result."""
         flat = torch.cat([torch.as_tensor(s).reshape(-1) for s in sequences]).unsqueeze(0)
         return flat.to(device), cls.from_lengths([len(s) for s in sequences], device=device)
@@ -147,10 +125,7 @@ class PackedBatch:
     @property
     def offsets(self) -> tuple[int, ...]:
         """Host copy of ``cu_seqlens``: ``(n+1,)`` Python ints."""
-        out = [0]
-        for n in self.lengths:
-            out.append(out[-1] + n)
-        return tuple(out)
+        return (0, *itertools.accumulate(self.lengths))
 
     @property
     def num_sequences(self) -> int:
@@ -158,10 +133,8 @@ class PackedBatch:
 
     def to(self, device: torch.device | str, *, non_blocking: bool = False) -> "PackedBatch":
         """The same metadata with its tensors on ``device`` (lengths stay on the host)."""
-        moved = {
-            name: getattr(self, name).to(device, non_blocking=non_blocking)
-            for name in ("cu_seqlens", "position_ids", "seq_ids")
-        }
+        moved = {name: getattr(self, name).to(device, non_blocking=non_blocking)
+                 for name in ("cu_seqlens", "position_ids", "seq_ids")}
         indices = None if self.indices is None else self.indices.to(device, non_blocking=non_blocking)
         return PackedBatch(lengths=self.lengths, indices=indices, padded_shape=self.padded_shape, **moved)
 
@@ -174,7 +147,7 @@ class PackedBatch:
 
     def pad(self, packed: torch.Tensor, value: float = 0.0) -> torch.Tensor:
         """``(1, total_tokens, *rest)`` -> ``(batch, seq_len, *rest)``, ``value`` at padding."""
-        if self.indices is None or self.padded_shape is None:
+        if self.indices is None:
             raise ValueError("this packed batch was not built from a padded layout")
         rows = packed.reshape(-1, *packed.shape[2:])
         out = rows.new_full((self.padded_shape[0] * self.padded_shape[1], *rows.shape[1:]), value)

@@ -47,35 +47,20 @@ class TokenBalancedBatchSampler(Sampler[list[int]]):
     of :func:`balance`, so each micro-step is balanced across ranks.
     """
 
-    def __init__(
-        self,
-        lengths: Sequence[int],
-        *,
-        global_batch_size: int,
-        grad_accum_steps: int = 1,
-        world_size: int = 1,
-        rank: int = 0,
-        seed: int = 0,
-        shuffle: bool = True,
-    ) -> None:
+    def __init__(self, lengths: Sequence[int], *, global_batch_size: int, grad_accum_steps: int = 1,
+                 world_size: int = 1, rank: int = 0, seed: int = 0, shuffle: bool = True) -> None:
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
         if grad_accum_steps < 1:
             raise ValueError(f"grad_accum_steps must be >= 1, got {grad_accum_steps}")
         if global_batch_size < world_size * grad_accum_steps:
-            raise ValueError(
-                f"global_batch_size={global_batch_size} cannot give one sample to each of "
-                f"{world_size} ranks x {grad_accum_steps} micro-steps"
-            )
+            raise ValueError(f"global_batch_size={global_batch_size} cannot give one sample to each of "
+                             f"{world_size} ranks x {grad_accum_steps} micro-steps")
         if len(lengths) < global_batch_size:
             raise ValueError(f"{len(lengths)} samples are fewer than one global batch of {global_batch_size}")
         self.lengths = [int(n) for n in lengths]
-        self.global_batch_size = global_batch_size
-        self.grad_accum_steps = grad_accum_steps
-        self.world_size = world_size
-        self.rank = rank
-        self.seed = seed
-        self.shuffle = shuffle
+        self.global_batch_size, self.grad_accum_steps = global_batch_size, grad_accum_steps
+        self.world_size, self.rank, self.seed, self.shuffle = world_size, rank, seed, shuffle
         self.epoch = 0
 
     def set_epoch(self, epoch: int) -> None:
