@@ -1,39 +1,22 @@
 """The ``slipstream`` torch.distributed backend: ``dist.init_process_group("slipstream")``.
 
-A ``SlipstreamProcessGroup`` is a ``torch.distributed.ProcessGroup`` (a Python subclass, the
-form torch's own threaded test backend takes) that holds the stock backends of its ranks: a
-``ProcessGroupGloo`` for CPU tensors and, where CUDA and NCCL exist, a ``ProcessGroupNCCL``
-for CUDA tensors, both built from the group's store. Three collectives go through the
-``Communicator`` of the core when it has a fast path for the call:
+A ``SlipstreamProcessGroup`` is a Python ``torch.distributed.ProcessGroup`` (the form of
+torch's threaded test backend) holding its ranks' stock backends, built from the group's
+store: ``ProcessGroupGloo`` for CPU tensors and, where CUDA and NCCL exist,
+``ProcessGroupNCCL`` for CUDA tensors. Through the core's ``Communicator`` go ``allreduce``
+(one tensor), ``all_gather_single`` (``all_gather_into_tensor``), ``reduce_scatter_single``
+(``reduce_scatter_tensor``) and their coalesced forms (torch's coalescing manager, for FSDP and
+Megatron), each as one operation. Everything else, and an accelerated call that
+``routing.refusal`` refuses or that has a per-call timeout, a size the plan routes to stock or
+CUDA tensors where NCCL exists, goes to the stock backend of the tensors' device, exactly as
+with ``"cpu:gloo,cuda:nccl"``. Each call is counted under its path (``core_comm.counters``).
 
-    allreduce             ``dist.all_reduce`` of one tensor
-    all_gather_single     ``dist.all_gather_single`` / ``all_gather_into_tensor``
-                          (torch < 2.13 calls it ``_allgather_base``)
-    reduce_scatter_single ``dist.reduce_scatter_single`` / ``reduce_scatter_tensor``
-                          (torch < 2.13: ``_reduce_scatter_base``)
-
-The coalesced forms (``allreduce_coalesced``, ``all_gather_single_coalesced``,
-``reduce_scatter_single_coalesced``: what torch's coalescing manager issues for FSDP and
-Megatron) go through the core as one operation over the tensors. Everything else
-(broadcast, barrier, send/recv, all_to_all, gather/scatter, list all-gather and
-reduce-scatter, the object collectives built on them, monitored_barrier) goes to the stock
-backend registered for the tensors' device, so it behaves exactly as with
-``"cpu:gloo,cuda:nccl"`` (see "delegated collectives" below for why the methods torch's
-trampoline covers are spelled out here). So does an accelerated call that the core's routing
-rule (``routing.refusal``) refuses, or that has a per-call timeout, a size the plan routes to
-the stock path, or CUDA tensors where NCCL exists. Ops: SUM, AVG, PREMUL_SUM, PRODUCT, MAX,
-MIN as the routing rule allows. Each call is counted under the path it took
-(``core_comm.counters``).
-
-The communicator comes from the core's pool (``pool.get(group)``) and runs over a gloo group
-of the same ranks (``core_spec``), built on the first call that can use it (a collective: every
-rank of the group makes that call). Its own collectives (topology exchange, node subgroups)
-therefore run on gloo groups and never come back here. Subgroups made with ``new_group(backend=None)`` on a slipstream default group are
-slipstream groups themselves, each with its own gloo group, built by its members only.
-
-Async calls (``async_op=True``, and DDP's bucket allreduce) run on the communicator's worker
-thread and return a ``Work`` made from a ``torch.futures.Future`` whose value is the list of
-output tensors, as gloo's is.
+The communicator comes from the pool (``pool.get(group)``), built on the first call that can
+use it (a collective), over a gloo group of the same ranks (``core_spec``): its own
+collectives never come back here. ``new_group(backend=None)`` on a slipstream default group
+makes slipstream groups, each with its own gloo group, built by its members only. Async calls
+run on the communicator's worker thread and return a ``Work`` whose future's value is the
+list of output tensors, as gloo's is.
 """
 
 from __future__ import annotations
@@ -72,6 +55,19 @@ BackendType = dist.ProcessGroup.BackendType
 _UNSET_TIMEOUT = AllreduceOptions().timeout  # -1 ms: "the group's timeout"
 
 
+def _delegated(name: str, agreed: str | None = None):
+    """A method that calls the stock backend's ``name`` for the call's device (after the
+    same-call check of ``agreed``, where given); why: the comment above ``allgather`` below."""
+
+    def method(self, *args, **kwargs):
+        tensor = _first_tensor(args, kwargs)
+        if agreed is not None:
+            self._agree(agreed, tensor)
+        return getattr(self._stock(tensor), name)(*args, **kwargs)
+
+    return method
+
+
 class SlipstreamProcessGroup(dist.ProcessGroup):
     """One process group of the ``slipstream`` backend. Made by ``init_process_group`` /
     ``new_group``, not by hand (``create_process_group`` is the creator torch calls)."""
@@ -105,10 +101,6 @@ class SlipstreamProcessGroup(dist.ProcessGroup):
         return f"SlipstreamProcessGroup(rank={self._rank}, size={self._size}, ranks={list(self._global_ranks)})"
 
     @property
-    def global_ranks(self) -> tuple[int, ...]:
-        return self._global_ranks
-
-    @property
     def communicator(self) -> Communicator | None:
         """The core's communicator of this group; None until the first accelerated call."""
         return pool.peek(self)
@@ -122,10 +114,9 @@ class SlipstreamProcessGroup(dist.ProcessGroup):
         over = new_gloo_group(list(self._global_ranks), timedelta(seconds=config.timeout_s))
         return over, config, self.call_check
 
-    # ---------------------------------------------------------------- accelerated collectives
-
     def allreduce(self, tensors, opts=AllreduceOptions()):
-        tensors, opts = _as_list(tensors), _as_opts(opts, AllreduceOptions)
+        tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        opts = _as_opts(opts, AllreduceOptions)
         op = opts.reduceOp
         self._agree("all_reduce", tensors, op)
         if len(tensors) != 1:  # gloo's several-tensors form reduces across them too: stock
@@ -141,10 +132,9 @@ class SlipstreamProcessGroup(dist.ProcessGroup):
         opts = _as_opts(opts, AllreduceCoalescedOptions)
         op = opts.reduceOp
         self._agree("all_reduce_coalesced", tensors, op)
-        comm = None
-        if tensors and all(t.dtype == tensors[0].dtype for t in tensors):
-            comm = self._fast(tensors[0], op, opts, "all_reduce_coalesced", *tensors[1:], nbytes=_nbytes(*tensors))
-        if comm is None:
+        comm = (tensors and all(t.dtype == tensors[0].dtype for t in tensors)
+                and self._fast(tensors[0], op, opts, "all_reduce_coalesced", *tensors[1:], nbytes=_nbytes(*tensors)))
+        if not comm:
             return self._stock(_first_tensor([tensors])).allreduce_coalesced(tensors, opts)
         return _launch(lambda a: comm.all_reduce_coalesced(tensors, op, async_op=a), tensors, opts)
 
@@ -152,10 +142,9 @@ class SlipstreamProcessGroup(dist.ProcessGroup):
         """``output`` holds ``size()`` blocks of ``input``'s shape, in group-rank order."""
         opts = _as_opts(opts, AllgatherOptions)
         self._agree("all_gather", output)
-        comm = None
-        if _fits(output, input, self._size, gather=True):
-            comm = self._fast(input, ReduceOp.SUM, opts, "all_gather", output, nbytes=_nbytes(output))
-        if comm is None:
+        comm = (_fits(output, input, self._size, gather=True)
+                and self._fast(input, ReduceOp.SUM, opts, "all_gather", output, nbytes=_nbytes(output)))
+        if not comm:
             return self._stock(input)._allgather_base(output, input, opts)
         return _launch(lambda a: comm.all_gather(output, input, async_op=a), [output], opts)
 
@@ -164,10 +153,9 @@ class SlipstreamProcessGroup(dist.ProcessGroup):
         opts = _as_opts(opts, ReduceScatterOptions)
         op = opts.reduceOp
         self._agree("reduce_scatter", input, op)
-        comm = None
-        if _fits(output, input, self._size, gather=False):
-            comm = self._fast(input, op, opts, "reduce_scatter", output, nbytes=_nbytes(input))
-        if comm is None:
+        comm = (_fits(output, input, self._size, gather=False)
+                and self._fast(input, op, opts, "reduce_scatter", output, nbytes=_nbytes(input)))
+        if not comm:
             return self._stock(input)._reduce_scatter_base(output, input, opts)
         return _launch(lambda a: comm.reduce_scatter(output, input, op, async_op=a), [output], opts)
 
@@ -195,10 +183,10 @@ class SlipstreamProcessGroup(dist.ProcessGroup):
     # torch < 2.13 calls these names.
     _allgather_base = all_gather_single
     _reduce_scatter_base = reduce_scatter_single
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
-    # ---------------------------------------------------------------- delegated collectives
-    #
-    # torch's C++ trampoline for a Python ProcessGroup (``WORK_OVERRIDE`` in
+    # Delegated collectives: torch's C++ trampoline for a Python ProcessGroup (``WORK_OVERRIDE`` in
     # PyProcessGroup.hpp, torch 2.13) looks for a Python override with the GIL held and, when
     # there is none, calls the C++ ProcessGroup method *still holding the GIL*. Gloo's enqueue
     # then takes its work mutex, while a gloo worker thread that holds that mutex may be
@@ -208,38 +196,16 @@ class SlipstreamProcessGroup(dist.ProcessGroup):
     # tests/test_backend.py). Every method the trampoline covers is therefore defined here,
     # and calls the stock backend through its Python binding, which releases the GIL.
 
-    def allgather(self, *args, **kwargs):
-        self._agree("list all_gather", _first_tensor(args, kwargs))
-        return self._stock(_first_tensor(args, kwargs)).allgather(*args, **kwargs)
-
-    def all_to_all_single(self, *args, **kwargs):
-        self._agree("all_to_all", _first_tensor(args, kwargs))
-        return self._stock(_first_tensor(args, kwargs)).alltoall_base(*args, **kwargs)
+    allgather = _delegated("allgather", "list all_gather")
+    all_to_all_single = alltoall_base = _delegated("alltoall_base", "all_to_all")
+    broadcast = _delegated("broadcast", "broadcast")
+    reduce_scatter = _delegated("reduce_scatter", "list reduce_scatter")
+    send = _delegated("send")
+    recv = _delegated("recv")
 
     def barrier(self, *args, **kwargs):
         self._agree("barrier", None)
         return self._gloo.barrier(*args, **kwargs)  # torch's own barrier runs on the default backend
-
-    def broadcast(self, *args, **kwargs):
-        self._agree("broadcast", _first_tensor(args, kwargs))
-        return self._stock(_first_tensor(args, kwargs)).broadcast(*args, **kwargs)
-
-    def reduce_scatter(self, *args, **kwargs):
-        self._agree("list reduce_scatter", _first_tensor(args, kwargs))
-        return self._stock(_first_tensor(args, kwargs)).reduce_scatter(*args, **kwargs)
-
-    def send(self, *args, **kwargs):
-        return self._stock(_first_tensor(args, kwargs)).send(*args, **kwargs)
-
-    def recv(self, *args, **kwargs):
-        return self._stock(_first_tensor(args, kwargs)).recv(*args, **kwargs)
-
-    # the names torch < 2.13 looks for
-    alltoall_base = all_to_all_single
-    allgather_into_tensor_coalesced = all_gather_single_coalesced
-    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
-
-    # ---------------------------------------------------------------- life cycle
 
     def shutdown(self) -> None:
         """Called by ``destroy_process_group``: finish this group's pending fast calls and
@@ -247,8 +213,6 @@ class SlipstreamProcessGroup(dist.ProcessGroup):
         backends down."""
         pool.close(self)
         super().shutdown()
-
-    # ---------------------------------------------------------------- routing
 
     def _agree(self, kind: str, tensors, op=None) -> None:
         """With ``SLIPSTREAM_DEBUG``, every rank checks that the others make this call too."""
@@ -263,13 +227,17 @@ class SlipstreamProcessGroup(dist.ProcessGroup):
         return self._gloo
 
     def _fast(self, tensor, op, opts, kind, *others, nbytes: int) -> Communicator | None:
-        """The communicator, which routes the call by the core's rule, when the part of the rule
-        that needs no communicator lets it; else None (stock, counted).
-
-        Decided from what every rank of a correct program passes alike (device, dtype, op,
-        options), so all ranks decide the same; the first time it says yes, every rank
-        builds the communicator (collective)."""
-        why = self._refusal(tensor, op, opts, others)
+        """The communicator when the part of the core's rule that needs none
+        (``routing.refusal``) lets the call in, and what only the backend sees (a group of one
+        rank; a per-call timeout, the stock backend's); else None (stock, counted). Decided
+        from what every rank passes alike, so all ranks decide the same; the first yes builds
+        the communicator (collective)."""
+        if self._size == 1:
+            why = "the group has one rank"
+        elif opts.timeout != _UNSET_TIMEOUT:
+            why = "a per-call timeout is the stock backend's"
+        else:
+            why = refusal(tensor, op, others, config=self._config, nccl=self._nccl is not None)
         if why is None:
             return pool.get(self, config=self._config)
         log.debug("slipstream %s of %s %s: stock %s: %s", kind, tuple(tensor.shape), tensor.dtype,
@@ -286,25 +254,9 @@ class SlipstreamProcessGroup(dist.ProcessGroup):
         big = outputs if gather else inputs
         return self._fast(inputs[0], op, opts, kind, *inputs[1:], *outputs, nbytes=_nbytes(*big))
 
-    def _refusal(self, tensor, op, opts, others) -> str | None:
-        """The core's rule (``routing.refusal``), and what only the backend sees: the group
-        size (no communicator for one rank) and a per-call timeout (the stock backend's)."""
-        if self._size == 1:
-            return "the group has one rank"
-        if opts.timeout != _UNSET_TIMEOUT:
-            return "a per-call timeout is the stock backend's"
-        return refusal(tensor, op, others, config=self._config, nccl=self._nccl is not None)
-
-
-# -------------------------------------------------------------------- helpers
-
 
 def _nbytes(*tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
-
-
-def _as_list(tensors) -> list:
-    return [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
 
 
 def _as_opts(opts, kind):
@@ -378,17 +330,12 @@ def _nccl(store, rank, size, timeout, global_ranks, group_name):
 
 
 def create_process_group(dist_options, pg_options=None):
-    """torch's creator for the backend (``register_backend(..., extended_api=True)``).
-
-    The group's settings, first found first: ``pg_options`` (a ``CommConfig`` passed to
-    ``init_process_group`` / ``new_group``), else ``CommConfig.default()`` (``enable(config)``'s,
-    the ``SLIPSTREAM_CONFIG`` file's, the ``SLIPSTREAM_*`` environment's).
-    """
+    """torch's creator for the backend (``register_backend(..., extended_api=True)``). The
+    group's settings: ``pg_options`` (a ``CommConfig`` passed to ``init_process_group`` /
+    ``new_group``), else ``CommConfig.default()``."""
     if pg_options is not None and not isinstance(pg_options, CommConfig):
         raise TypeError(f"the slipstream backend takes a CommConfig as pg_options, got {type(pg_options).__name__}")
-    cfg = pg_options or CommConfig.default()
     return SlipstreamProcessGroup(
         dist_options.store, dist_options.group_rank, dist_options.group_size, dist_options.timeout,
         global_ranks=list(dist_options.global_ranks_in_group), group_name=str(dist_options.group_id),
-        config=cfg,
-    )
+        config=pg_options or CommConfig.default())
