@@ -1,10 +1,8 @@
 """Fast collectives shared by every adapter: shared-memory CPU-Reduce inside a node and
-hierarchical collectives across nodes (``collectives/``, with the inter-node ``transport/``),
-behind one communicator per process group (``pool``, ``communicator``) that routes every call
-by one rule (``routing``), measured choices per size (``tuner/``), the ``slipstream``
-torch.distributed backend (``backend/``), and per-path call counts (``counters``).
-
-Never imports an optional framework.
+hierarchical collectives across nodes (``collectives/``, ``transport/``), behind one
+communicator per process group (``pool``, ``communicator``) routed by one rule (``routing``),
+the tuner (``tuner/``), the ``slipstream`` backend (``backend/``) and per-path call counts
+(``counters``). Never imports an optional framework.
 """
 
 from . import counters, pool

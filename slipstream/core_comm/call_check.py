@@ -1,14 +1,11 @@
 """``SLIPSTREAM_DEBUG=1``: before every collective, the ranks of a group agree that they make
 the same call, or every one of them raises an error naming the rank that differs.
 
-The check runs over the group's store, not over a collective: a rank whose call goes to gloo
-and a rank whose call goes to the fast path both reach it, so a disagreement across paths is
-found at once instead of leaving one rank in gloo's receive while the other waits in the
-check. Each rank writes its call under the check's sequence number and waits, within the
-group's deadline, for every rank's entry; a rank whose entry does not come is named.
-
-A rank deletes its previous entry once every rank has written the next one (by then every
-rank has read it), so the store holds at most two entries per rank.
+The check runs over the group's store, not a collective, so a rank whose call goes to gloo and
+one whose call takes the fast path both reach it: a disagreement across paths is found at once.
+Each rank writes its call under the check's sequence number and waits, within the group's
+deadline, for every rank's entry (naming a rank whose entry does not come). A rank deletes its
+previous entry once every rank has written the next one, so the store holds at most two each.
 """
 
 from __future__ import annotations
@@ -68,21 +65,17 @@ class CallCheck:
             self.store.wait(keys, timedelta(seconds=self.timeout_s))
         except Exception as e:  # noqa: BLE001 - a timeout, or the store's host is gone
             missing = self._missing(keys)
-            raise TimeoutError(
-                f"SLIPSTREAM_DEBUG: group rank(s) {missing or '(unknown: the store is unreachable)'} "
-                f"did not reach collective #{seq} within {self.timeout_s:g} s; group rank {self.rank} "
-                f"calls {call} ({e})"
-            ) from None
+            raise TimeoutError(f"SLIPSTREAM_DEBUG: group rank(s) {missing or '(unknown: the store is unreachable)'} "
+                               f"did not reach collective #{seq} within {self.timeout_s:g} s; group rank "
+                               f"{self.rank} calls {call} ({e})") from None
         calls = [v.decode() for v in self.store.multi_get(keys)]
         if seq > 0:
             self.store.delete_key(f"{seq - 1}/{self.rank}")
         differ = [r for r, other in enumerate(calls) if other != call]
         if differ:
             r = differ[0]
-            raise CollectiveMismatch(
-                f"collective #{seq} differs across ranks: group rank {self.rank} calls {call}, "
-                f"group rank {r} calls {calls[r]}"
-            )
+            raise CollectiveMismatch(f"collective #{seq} differs across ranks: group rank {self.rank} calls "
+                                     f"{call}, group rank {r} calls {calls[r]}")
 
     def _missing(self, keys: list[str]) -> list[int]:
         try:

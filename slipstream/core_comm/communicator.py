@@ -1,12 +1,9 @@
 """The communicator every adapter calls: one per process group.
 
-It routes each call by the core's one rule (``routing``: ``local``, ``shm``/``cma``,
-``hierarchical``, ``staged`` or ``stock``, from the size, dtype, device and op of the tensors,
-the topology of the group and its plan) and runs it: synchronously, or on its worker thread
-with a ``Work`` handle (``async_op``). Ops: SUM, AVG (floating dtypes), PREMUL_SUM (scale,
-then SUM), PRODUCT, MAX and MIN with gloo's semantics. The coalesced forms
-(``all_reduce_coalesced``, coalesced reduce-scatter and all-gather) run as one operation over
-one flat buffer. Every call is counted under the path it took (``counters``).
+It routes each call by the core's one rule (``routing``) and runs it: synchronously, or on its
+worker thread with a ``Work`` handle (``async_op``). Ops: SUM, AVG (floating dtypes),
+PREMUL_SUM (scale, then SUM), PRODUCT, MAX and MIN with gloo's semantics. The coalesced forms
+run as one operation over one flat buffer. Every call is counted under its path (``counters``).
 """
 
 from __future__ import annotations
@@ -42,21 +39,12 @@ ReduceOp = dist.ReduceOp
 class Communicator:
     """Fast collectives over ``group`` (None: the default group). Construction is collective."""
 
-    __slots__ = (
-        "group", "config", "plan", "rank", "world", "topology",
-        "shm", "cma", "hier", "unavailable",  # built algorithms, and why the others are not
-        "_staging", "_executor", "_last", "checker",
-    )
+    __slots__ = ("group", "config", "plan", "rank", "world", "topology", "checker",
+                 "shm", "cma", "hier", "unavailable",  # built algorithms, and why the others are not
+                 "_staging", "_executor", "_last")
 
-    def __init__(
-        self,
-        group: dist.ProcessGroup | None = None,
-        *,
-        config: CommConfig | None = None,
-        topology: Topology | None = None,
-        plan: Plan | None = None,
-        checker: CallCheck | None = None,
-    ) -> None:
+    def __init__(self, group: dist.ProcessGroup | None = None, *, config: CommConfig | None = None,
+                 topology: Topology | None = None, plan: Plan | None = None, checker: CallCheck | None = None) -> None:
         self.group = group
         self.checker = checker
         """``SLIPSTREAM_DEBUG``'s same-call check (built on the first checked call if None)."""
@@ -72,8 +60,6 @@ class Communicator:
         self._staging: dict = {}
         self._executor: ThreadPoolExecutor | None = None
         self._last: Future | None = None
-
-    # ---------------------------------------------------------------- set-up
 
     def _build(self) -> str:
         """Build what the topology allows; return why the fast paths are off, or ''."""
@@ -126,12 +112,9 @@ class Communicator:
         if hasattr(inter, "close"):  # a multi-connection transport's sockets and threads
             inter.close()
 
-    # ---------------------------------------------------------------- routing
-
     def algorithm(self, tensor: torch.Tensor, op=ReduceOp.SUM, kind: str = "all_reduce") -> tuple[str, str]:
         """``(algorithm, reason)`` this communicator uses for ``kind`` on ``tensor`` and ``op``."""
-        algo, why, _ = self._route(kind, tensor, op)
-        return algo, why
+        return self._route(kind, tensor, op)[:2]
 
     def _route(self, kind: str, tensor: torch.Tensor, op) -> tuple[str, str, Choice | None]:
         """``(algorithm, reason, the plan's choice)`` by the core's rule (``routing.route``)."""
@@ -145,23 +128,15 @@ class Communicator:
             if other.device != tensor.device:
                 raise ValueError(f"{kind}: tensors on different devices: {tensor.device} and {other.device}")
         if self.config.debug:
-            self._check_same_call(kind, tensor, op)
+            if self.checker is None:
+                self.checker = CallCheck.for_group(self.group, self.config.timeout_s)
+            self.checker.check(describe(kind, tensor, op))
         algo, why, choice = self._route(kind, tensor, op)
         if algo == "stock":
             log.debug("slipstream %s of %s %s (%s): stock collective: %s",
                       kind, tuple(tensor.shape), tensor.dtype, op, why)
         nbytes = tensor.numel() * tensor.element_size() if nbytes is None else nbytes
-        label = algo
-        if algo == "shm" and self._intra(kind, nbytes) is self.cma:
-            label = "cma"
-        return algo, choice, label
-
-    def _check_same_call(self, kind, tensor, op) -> None:
-        if self.checker is None:
-            self.checker = CallCheck.for_group(self.group, self.config.timeout_s)
-        self.checker.check(describe(kind, tensor, op))
-
-    # ---------------------------------------------------------------- collectives
+        return algo, choice, "cma" if algo == "shm" and self._intra(kind, nbytes) is self.cma else algo
 
     def all_reduce(self, tensor: torch.Tensor, op=ReduceOp.SUM, async_op: bool = False):
         """In place, like ``dist.all_reduce``; returns a ``Work`` when ``async_op``."""
@@ -214,9 +189,7 @@ class Communicator:
     def reduce_scatter_coalesced(self, outputs: list, inputs: list, op=ReduceOp.SUM, async_op: bool = False):
         """``reduce_scatter`` of each pair, as one call: the inputs' rank-r blocks are laid
         side by side, so rank r receives its blocks of every input in one shard."""
-        _check_coalesced("reduce_scatter_coalesced", inputs, outputs)
-        for o, i in zip(outputs, inputs):
-            check_sizes("reduce_scatter", o, i, self.world)
+        _check_coalesced("reduce_scatter_coalesced", inputs, outputs, self.world)
         flat_in = torch.cat([i.reshape(self.world, -1) for i in inputs], dim=1).reshape(-1)
         flat_out = flat_in.new_empty(flat_in.numel() // self.world)
         work = self._resize_as("reduce_scatter_coalesced", "reduce_scatter", flat_out, flat_in, op, async_op)
@@ -224,9 +197,7 @@ class Communicator:
 
     def all_gather_coalesced(self, outputs: list, inputs: list, async_op: bool = False):
         """``all_gather`` of each pair, as one call."""
-        _check_coalesced("all_gather_coalesced", inputs, outputs)
-        for o, i in zip(outputs, inputs):
-            check_sizes("all_gather", o, i, self.world)
+        _check_coalesced("all_gather_coalesced", inputs, outputs, self.world)
         flat_in = torch.cat([i.reshape(-1) for i in inputs])
         flat_out = flat_in.new_empty(flat_in.numel() * self.world)
 
@@ -247,8 +218,6 @@ class Communicator:
             finish()
             return None
         return Work.after(work, finish)
-
-    # ---------------------------------------------------------------- execution
 
     def _run(self, fn, async_op: bool):
         """Run ``fn`` now, or on the worker thread (``async_op``). A collective reduces values,
@@ -280,8 +249,7 @@ class Communicator:
             self._last = None
 
     def _intra(self, kind: str, nbytes: int):
-        """The one-node implementation of ``kind`` for a buffer of ``nbytes`` (the larger of
-        output and input): the same on every rank."""
+        """The one-node path of ``kind`` for ``nbytes`` (of the larger buffer), alike on all ranks."""
         return self.cma if self.cma is not None and use_cma(kind, nbytes) else self.shm
 
     def _cpu_all_reduce(self, flat: torch.Tensor, op, chunk_bytes: int | None) -> None:
@@ -313,8 +281,7 @@ class Communicator:
             tensor.copy_(work)
 
     def _resize(self, kind, algo, output, input, op) -> None:
-        """Reduce-scatter or allgather (``kind``): collectives whose output and input differ
-        in size by the world size."""
+        """Reduce-scatter or allgather (``kind``): output and input differ by the world size."""
         if op is not None:
             op, factor = split_op(op)
             if factor is not None:  # the caller's input stays as it was, as with NCCL
@@ -380,14 +347,17 @@ def _stock(work: dist.Work | None, dense: torch.Tensor, output: torch.Tensor) ->
     return Work.after(work, back)
 
 
-def _check_coalesced(kind: str, tensors: list, others: list | None = None) -> None:
-    if not tensors or (others is not None and len(others) != len(tensors)):
+def _check_coalesced(kind: str, tensors: list, outputs: list | None = None, world: int = 0) -> None:
+    """Same dtype and device throughout; with ``outputs``, one per input, sized for ``world``."""
+    if not tensors or (outputs is not None and len(outputs) != len(tensors)):
         raise ValueError(f"{kind}: needs one or more tensors (and as many outputs as inputs)")
     first = tensors[0]
-    for t in (*tensors, *(others or ())):
+    for t in (*tensors, *(outputs or ())):
         if t.dtype != first.dtype or t.device != first.device:
             raise ValueError(f"{kind}: tensors of different dtypes or devices: {first.dtype} on "
                              f"{first.device} and {t.dtype} on {t.device}")
+    for o, i in zip(outputs or (), tensors):
+        check_sizes(kind.removesuffix("_coalesced"), o, i, world)
 
 
 def _unflatten(flat: torch.Tensor, tensors: list) -> None:

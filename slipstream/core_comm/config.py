@@ -54,9 +54,8 @@ class CommConfig(Settings):
         for f in fields(self):
             self.check_field(f.name, getattr(self, f.name))
         if self.small_bytes > self.slot_bytes:
-            raise ValueError(
-                f"small_bytes must be between 0 and slot_bytes ({self.slot_bytes}), got {self.small_bytes}"
-            )
+            raise ValueError(f"small_bytes must be between 0 and slot_bytes ({self.slot_bytes}), "
+                             f"got {self.small_bytes}")
 
     @classmethod
     def check_field(cls, name: str, value) -> None:
@@ -83,10 +82,9 @@ class CommConfig(Settings):
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> "CommConfig":
-        """A group's settings when no code gives them: the ``"comm"`` part of the file named by
-        ``SLIPSTREAM_CONFIG`` (key by key), over ``SLIPSTREAM_<FIELD>`` variables (upper case,
-        e.g. ``SLIPSTREAM_SHM=0``), over the defaults. A bad value is refused naming the key
-        and file, or the variable, before any group is built."""
+        """A group's settings when no code gives them (``resolve``): the ``SLIPSTREAM_CONFIG``
+        file's ``"comm"`` part, over ``SLIPSTREAM_<FIELD>`` variables (e.g. ``SLIPSTREAM_SHM=0``),
+        over the defaults; a bad value is refused naming the key and file, or the variable."""
         return cls.resolve(environ=environ)
 
     @classmethod
@@ -100,20 +98,12 @@ class CommConfig(Settings):
             found = config_file(environ)
             if found is not None:
                 path, whole = found
-                section, where = _comm_part(whole, f"{path}: slipstream"), f"{path}: slipstream.comm"
+                require_mapping(whole, f"{path}: slipstream")
+                section, where = whole.get("comm", {}), f"{path}: slipstream.comm"
         section = {} if section is None else section
-        values = cls.values_from_dict(section, where)  # a typo is refused, even when code wins
+        cls.values_from_dict(section, where)  # a typo is refused, even when code wins
         if code is not None:
             if not isinstance(code, CommConfig):
                 raise TypeError(f"config must be a CommConfig, got {type(code).__name__}")
             return code
-        base = cls.values_from_env(environ)
-        try:
-            return cls(**{**base, **values})
-        except ValueError as e:
-            raise ValueError(f"{where}: {e}") from None
-
-
-def _comm_part(section, where: str):
-    require_mapping(section, where)
-    return section.get("comm", {})
+        return cls.from_dict(section, where, base=cls.values_from_env(environ))

@@ -2,17 +2,14 @@
 user's status read, and a ``torch.profiler`` range per call.
 
 Every call that reaches slipstream (the backend, the DDP hook, an adapter's stand-in) is
-counted once under ``(collective, path)``: ``path`` is the algorithm that ran it (``shm``,
-``cma``, ``hierarchical``, ``staged``, ``local``) or ``stock`` when it went to the group's own
-backend::
+counted once under ``(collective, path)``, ``path`` being the algorithm that ran it (``shm``,
+``cma``, ``hierarchical``, ``staged``, ``local``) or ``stock`` (the group's own backend)::
 
-    from slipstream.core_comm import counters
     counters.snapshot()   # {"all_reduce": {"shm": {"calls": 12, "bytes": 50331648}, "stock": {...}}}
-    counters.reset()
 
 While a profiler records, each call is also a range named like the stock backends' own
-(``gloo:all_reduce``): ``slipstream:all_reduce:shm``. Outside a profiler no range is entered
-(a ``record_function`` costs a few microseconds, as much as a small allreduce's wait).
+(``gloo:all_reduce``): ``slipstream:all_reduce:shm``. Outside one no range is entered (a
+``record_function`` costs a few microseconds, as much as a small allreduce's wait).
 """
 
 from __future__ import annotations
@@ -57,18 +54,9 @@ class PathCounts:
 
 # One table per process: a path count describes the process's calls, whatever their group.
 _COUNTS = PathCounts()
-
-
-def count(kind: str, path: str, nbytes: int) -> None:
-    _COUNTS.add(kind, path, nbytes)
-
-
-def snapshot() -> dict:
-    return _COUNTS.snapshot()
-
-
-def reset() -> None:
-    _COUNTS.reset()
+count = _COUNTS.add
+snapshot = _COUNTS.snapshot
+reset = _COUNTS.reset
 
 
 def record(kind: str, path: str, nbytes: int):

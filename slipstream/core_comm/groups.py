@@ -1,17 +1,13 @@
 """Intra-node and inter-node subgroups of a process group, one set per communicator.
 
 Subgroups are gloo groups (the shared-memory set-up and the inter-node transport move CPU
-tensors, whatever the parent group's backend: gloo, NCCL, or slipstream's own) created with
-``use_local_synchronization=True``, so only their members take part: a data-parallel group
-inside a bigger world builds its own without the other ranks. Every rank creates its
-intra-node group first, then its inter-node group, so a group's members all create it at the
-same point of that order, which cannot deadlock.
-
-Each communicator owns its subgroups. Sharing them between communicators of the same ranks
-was wrong: each communicator runs asynchronous calls on its own thread, and two threads
-driving one gloo group can order their calls differently on different ranks (a hang seen in
-the backend's 2-node tests). torch names such groups by their ranks and its count of groups,
-so a second group of the same ranks gets a name of its own.
+tensors, whatever the parent's backend) created with ``use_local_synchronization=True``: only
+their members take part, so a data-parallel group inside a bigger world builds its own without
+the other ranks. Every rank creates its intra-node group first, then its inter-node group, so
+a group's members all create it at the same point of that order, which cannot deadlock. Each
+communicator owns its subgroups: communicators sharing them ran async calls on two threads
+driving one gloo group, which ordered calls differently on different ranks (a hang seen in the
+backend's 2-node tests).
 """
 
 from __future__ import annotations
@@ -25,8 +21,6 @@ from torch.distributed import distributed_c10d as c10d
 from .topology import Topology
 
 __all__ = ["group_ranks", "new_gloo_group", "node_subgroups"]
-
-SUBGROUP_BACKEND = "gloo"
 
 
 def group_ranks(group: dist.ProcessGroup | None) -> list[int]:
@@ -43,12 +37,8 @@ def node_subgroups(
     alone on its node) and a gloo group of its peers of the same local index on the other
     nodes (None on one node). Collective over ``group``; needs equal nodes."""
     ranks = group_ranks(group)
-    intra = None
-    if topo.local_size > 1:
-        intra = new_gloo_group([ranks[g] for g in topo.local_ranks], timeout)
-    inter = None
-    if topo.num_nodes > 1:
-        inter = new_gloo_group([ranks[g] for g in topo.peers(topo.local_rank)], timeout)
+    intra = new_gloo_group([ranks[g] for g in topo.local_ranks], timeout) if topo.local_size > 1 else None
+    inter = new_gloo_group([ranks[g] for g in topo.peers(topo.local_rank)], timeout) if topo.num_nodes > 1 else None
     return intra, inter
 
 
@@ -58,11 +48,10 @@ def new_gloo_group(ranks: list[int], timeout: timedelta | None = None) -> dist.P
     that never arrives makes the others raise after it, naming the group's ranks.
 
     torch names a locally synchronised group by its ranks and the number of groups alive
-    (``_hash_ranks_to_str``, torch 2.13). Once a group is destroyed that number falls, and a
-    new group of the same ranks can get the name of one still alive: ``new_group`` then raises
-    "group name has already been created". The names torch would pick are skipped by counting
-    placeholders while it names the group; every member has the same groups, so all skip alike.
-    """
+    (``_hash_ranks_to_str``, torch 2.13): once a group is destroyed, a new group of the same
+    ranks can get the name of one still alive, and ``new_group`` raises "group name has already
+    been created". Placeholders counted while torch names the group skip those names (every
+    member has the same groups, so all skip alike)."""
     names = c10d._world.pg_names
     ranks = sorted(ranks)
     _arrive(ranks, timeout or c10d.default_pg_timeout)
@@ -71,7 +60,7 @@ def new_gloo_group(ranks: list[int], timeout: timedelta | None = None) -> dist.P
         while _hashed_name(ranks, len(names)) in names.values():
             pads.append(object())
             names[pads[-1]] = ""
-        return dist.new_group(ranks, backend=SUBGROUP_BACKEND, use_local_synchronization=True, timeout=timeout)
+        return dist.new_group(ranks, backend="gloo", use_local_synchronization=True, timeout=timeout)
     except RuntimeError as e:  # torch's store-barrier timeout, or gloo's failed connection
         raise RuntimeError(f"slipstream: the gloo group of ranks {ranks} could not be formed within "
                            f"{timeout or 'the default timeout'}: a member did not arrive (it died, or "

@@ -7,16 +7,13 @@ adapters' stand-ins.
 
 A communicator is built on the first ``get`` of its group (a collective: node subgroups,
 shared memory, the tuner's plan) and kept until ``close(group)`` or until torch forgets the
-group (``destroy_process_group``), when the next ``get`` builds a new one. Every communicator
-runs by the same rule, whoever asks: the tuner's measured plan when ``slipstream tune`` cached
-one for the topology, else the built-in rule (``routing.route``), so a call of a given size
-takes the same path from the backend, the DDP hook, FSDP or DeepSpeed. A ``get`` that asks for other settings than the
-communicator was built with keeps the built one and says so once (rebuilding would be a
-collective the other ranks are not in).
-
-A group whose collectives come back to the core (the ``slipstream`` backend's) tells the pool
-what to build over (``core_spec``, below), so the core's own collectives (topology exchange,
-subgroups) never come back to it.
+group (``destroy_process_group``). Every communicator runs the tuner's measured plan when
+``slipstream tune`` cached one for the topology, else the built-in rule (``routing.route``),
+so a call of a given size takes the same path from the backend, the DDP hook, FSDP or
+DeepSpeed. A ``get`` asking for other settings keeps the built communicator and says so once
+(rebuilding would be a collective the other ranks are not in). A group whose collectives come
+back to the core (the ``slipstream`` backend's) gives what to build over (``core_spec``), so
+the core's own collectives never come back to it.
 """
 
 from __future__ import annotations
@@ -58,24 +55,22 @@ class CommunicatorPool:
             if comm is not None and not _alive(key):
                 self._comms.pop(key).close()
                 comm = None
-            if comm is None:
-                comm = self._comms[key] = _build(key, config)
-                self._asked[key] = config
-                if not self._exit_hook:
-                    # at exit, before torch's process groups are torn down: our worker threads
-                    # finish and our memory is released (a process that left them to the
-                    # interpreter's end died with SIGABRT, 2 runs in 6, after an FSDP job)
-                    atexit.register(self.close_all)
-                    self._exit_hook = True
-                listeners = list(self._listeners)
-            elif config is not None and config != self._asked[key] and (key, config) not in self._warned:
-                self._warned.add((key, config))
-                log.warning("slipstream: the communicator of group %s was built with %s; keeping it, "
-                            "not %s (destroy the group or close it to change settings)", _ranks(key),
-                            comm.config, config)
+            if comm is not None:
+                if config is not None and config != self._asked[key] and (key, config) not in self._warned:
+                    self._warned.add((key, config))
+                    log.warning("slipstream: the communicator of group %s was built with %s; keeping it, "
+                                "not %s (destroy the group or close it to change settings)", _ranks(key),
+                                comm.config, config)
                 return comm
-            else:
-                return comm
+            comm = self._comms[key] = _build(key, config)
+            self._asked[key] = config
+            if not self._exit_hook:
+                # at exit, before torch's process groups are torn down: our worker threads
+                # finish and our memory is released (a process that left them to the
+                # interpreter's end died with SIGABRT, 2 runs in 6, after an FSDP job)
+                atexit.register(self.close_all)
+                self._exit_hook = True
+            listeners = list(self._listeners)
         for listener in listeners:
             listener(key, comm)
         return comm

@@ -7,15 +7,13 @@
     staged        CUDA tensors on a group without NCCL: pinned host memory, then the above
     stock         everything else: the group's own collective
 
-The rule has two parts. ``refusal`` needs no communicator: what every rank of a correct program
-passes alike (device, dtype, op, layout) and the group's settings. The backend asks it before it
-builds a communicator (building one is collective), and the communicator asks it first on every
-call. ``route`` is the rest, which needs the built communicator: its topology, the fast paths it
-could build, and its plan's choice for the call's size (the pool gives every communicator the
-tuner's measured plan when one is cached for the topology; the tuner's cost model,
-``tuner.model_plan``, whose size thresholds are ``STOCK_BELOW_BYTES`` here, is what ``slipstream
-env`` and ``tune`` start from). Everything depends only on what every rank sees alike, so all
-ranks route a call the same way.
+``refusal`` needs no communicator: it judges what every rank of a correct program passes alike
+(device, dtype, op, layout) and the group's settings; the backend asks it before building a
+communicator (a collective), the communicator first on every call. ``route`` needs the built
+communicator: its topology, the paths it built, and its plan's choice for the call's size (the
+tuner's measured plan where one is cached; the cost model ``tuner.model_plan``, whose size
+thresholds are ``STOCK_BELOW_BYTES``, is what ``slipstream env`` and ``tune`` start from). All
+of it is what every rank sees alike, so all ranks route a call the same way.
 """
 
 from __future__ import annotations

@@ -1,15 +1,12 @@
 """Which ranks of a process group share a node.
 
-A rank's node comes from, in order of precedence:
-
-1. an explicit override, ``SLIPSTREAM_NODE`` (set by the emulated-cluster launcher, or by a
-   user whose nodes are not what the launcher says);
-2. the launcher's node rank: ``GROUP_RANK`` (torchrun), ``CROSS_RANK`` (DeepSpeed's
-   launcher), ``NODE_RANK`` (accelerate / lightning);
-3. the host identity (host name and kernel boot id), exchanged through the group.
-
-Every source is checked against the host identity: two ranks on different hosts never share a
-node, whatever the environment claims, because shared memory cannot span hosts.
+A rank's node comes from, in order of precedence: 1. ``SLIPSTREAM_NODE``, an explicit override
+(set by the emulated-cluster launcher, or by a user whose nodes are not what the launcher says);
+2. the launcher's node rank: ``GROUP_RANK`` (torchrun), ``CROSS_RANK`` (DeepSpeed's launcher),
+``NODE_RANK`` (accelerate / lightning); 3. the host identity (host name and kernel boot id),
+exchanged through the group. Every source is checked against the host identity: two ranks on
+different hosts never share a node, whatever the environment claims, because shared memory
+cannot span hosts.
 """
 
 from __future__ import annotations
@@ -29,11 +26,8 @@ _LAUNCHER_NODE_VARS = ("GROUP_RANK", "CROSS_RANK", "NODE_RANK")
 
 @dataclass(frozen=True)
 class Topology:
-    """Placement of the ranks of one process group on nodes.
-
-    Nodes are numbered in order of their lowest group rank, so every rank computes the same
-    numbering from the same gathered keys.
-    """
+    """Placement of the ranks of one process group on nodes, numbered in order of their lowest
+    group rank (so every rank computes the same numbering from the same gathered keys)."""
 
     node_of: tuple[int, ...]
     """Group rank -> node index (0 .. num_nodes-1)."""
@@ -122,30 +116,24 @@ def node_key_from_env(environ: Mapping[str, str] = os.environ) -> tuple[str, str
 
 def resolve_keys(entries: Sequence[tuple[tuple[str, str] | None, str]]) -> list[object]:
     """Pick one node key per rank from gathered ``(env_key, host)`` pairs; raise on conflicts.
-
     The environment is trusted only when every rank has a key from the same source; a mix
-    falls back to host identity. Pure function so it can be tested without a process group.
-    """
+    falls back to host identity."""
     env_keys = [k for k, _ in entries]
     sources = {k[0] if k else None for k in env_keys}
     if sources == {"override"} or sources == {"launcher"}:
         keys: list[object] = [k[1] for k in env_keys]  # type: ignore[index]
     elif "override" in sources:
         missing = [r for r, k in enumerate(env_keys) if not k or k[0] != "override"]
-        raise ValueError(
-            f"{OVERRIDE_VAR} is set on some ranks but not on group ranks {missing}; "
-            "set it on every rank or on none"
-        )
+        raise ValueError(f"{OVERRIDE_VAR} is set on some ranks but not on group ranks {missing}; "
+                         "set it on every rank or on none")
     else:
         keys = [host for _, host in entries]
     hosts: dict[object, str] = {}
     for rank, (key, (_, host)) in enumerate(zip(keys, entries)):
         if hosts.setdefault(key, host) != host:
-            raise ValueError(
-                f"group rank {rank} claims node {key!r} but runs on host {host!r}, while "
-                f"another rank of that node runs on {hosts[key]!r}; ranks of one node must "
-                "share a host (check SLIPSTREAM_NODE / the launcher's node rank)"
-            )
+            raise ValueError(f"group rank {rank} claims node {key!r} but runs on host {host!r}, while another "
+                             f"rank of that node runs on {hosts[key]!r}; ranks of one node must share a host "
+                             "(check SLIPSTREAM_NODE / the launcher's node rank)")
     return keys
 
 

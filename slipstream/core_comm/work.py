@@ -1,17 +1,12 @@
 """``Work``: the one handle of the core's asynchronous calls.
 
-It is a ``torch.distributed.Work``, so torch and the stacks wait on it as on gloo's own: DDP's
-reducer takes its ``get_future()``, FSDP2's prefetch calls ``wait()``, the backend returns it
-from ``all_reduce(..., async_op=True)``. Its completion comes from one of:
-
-- a ``concurrent.futures.Future`` that a thread completes (the communicator's worker, the TCP
-  transport's lanes);
-- a stock collective's ``dist.Work`` (``Work.after``);
-- a ``finish`` step that runs on the first ``wait()``, on the waiting thread: the hierarchical
-  pipeline's inter-node exchanges, whose reduction runs where the pipeline waits for them.
-
-``get_future()`` is a ``torch.futures.Future`` whose value is the call's ``result`` (the output
-tensors, for the backend; the bucket, for DDP), failed with the call's error if it failed.
+A ``torch.distributed.Work``, so torch and the stacks wait on it as on gloo's own (DDP's
+reducer takes its ``get_future()``, FSDP2's prefetch calls ``wait()``). It completes from a
+``concurrent.futures.Future`` that a thread completes (the communicator's worker, the TCP
+transport's lanes), a stock collective's ``dist.Work`` (``Work.after``), or a ``finish`` step
+run on the first ``wait()``, on the waiting thread (the hierarchical pipeline's inter-node
+exchanges, whose reduction runs where the pipeline waits for them). ``get_future()``'s value
+is the call's ``result`` (the output tensors, for the backend; the bucket, for DDP).
 """
 
 from __future__ import annotations
@@ -52,10 +47,10 @@ class Work(dist.Work):
         ``then()`` has run after it; an error of either is this Work's error."""
         done: Future = Future()
 
-        def finish(error: BaseException | None) -> None:
+        def finish(outcome: Callable[[], Any]) -> None:
+            """``outcome()`` raises ``work``'s error, if any."""
             try:
-                if error is not None:
-                    raise error
+                outcome()
                 if then is not None:
                     then()
             except BaseException as e:  # noqa: BLE001 - handed to whoever waits
@@ -66,18 +61,9 @@ class Work(dist.Work):
         if isinstance(work, Work):
             if work._future is None:
                 raise TypeError("Work.after needs a Work that completes by itself, not on wait()")
-            work._future.add_done_callback(lambda f: finish(f.exception()))
-            return cls(done, result=result)
-
-        def stock_done(fut) -> None:
-            try:
-                fut.wait()
-            except BaseException as e:  # noqa: BLE001
-                finish(e)
-            else:
-                finish(None)
-
-        work.get_future().add_done_callback(stock_done)
+            work._future.add_done_callback(lambda f: finish(f.result))
+        else:
+            work.get_future().add_done_callback(lambda fut: finish(fut.wait))
         return cls(done, result=result)
 
     def returning(self, result: Any) -> "Work":
@@ -85,8 +71,6 @@ class Work(dist.Work):
         if self._future is not None:
             return Work(self._future, result=result)
         return Work(finish=self.wait, result=result)
-
-    # ---------------------------------------------------------------- torch's Work
 
     def wait(self, timeout=None) -> bool:
         """Block until done and raise the call's error. ``timeout`` (seconds or a timedelta;
@@ -135,8 +119,4 @@ class Work(dist.Work):
         # torch's set_exception completes the future *successfully* with the exception object as
         # its value (only Python's value() re-raises it; C++ readers such as DDP's reducer take it
         # for a tensor). Re-raising inside a callback marks the chained future failed for all.
-        return result.then(_value_or_raise)
-
-
-def _value_or_raise(fut: torch.futures.Future):
-    return fut.value()
+        return result.then(lambda fut: fut.value())
