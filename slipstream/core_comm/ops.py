@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["COMBINE", "DTYPES", "KINDS", "OPS", "REDUCIBLE_DTYPES", "cannot_reduce", "code", "describe", "level_op", "name_of",
-           "reduce_rows", "split_op"]
+__all__ = ["COMBINE", "DTYPES", "KINDS", "OPS", "REDUCIBLE_DTYPES", "cannot_reduce", "code", "describe", "level_op",
+           "name_of", "overlaps", "reduce_rows", "split_op"]
 
 ReduceOp = dist.ReduceOp
 
@@ -75,6 +75,12 @@ def describe(kind: str, tensor: torch.Tensor | None, op=None) -> str:
         return what
     base, factor = split_op(op)
     return f"{what}, " + (base.name if factor is None else f"PREMUL_SUM({float(factor):g})")
+
+
+def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the bytes of contiguous ``a`` and ``b`` overlap."""
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
 
 
 def reduce_rows(rows: torch.Tensor, out: torch.Tensor, op, world: int) -> None:

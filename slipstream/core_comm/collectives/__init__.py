@@ -1,4 +1,3 @@
-"""The collective algorithms: shared-memory CPU-Reduce inside a node (``shm``, over the
-segment of ``segment``), the same through cross-memory attach on the ranks' own tensors
-(``cma``), hierarchical collectives across nodes (``hierarchical``) and CUDA tensors staged
-through pinned host memory (``staging``)."""
+"""The collective algorithms: shared-memory CPU-Reduce inside a node (``shm``, ``segment``),
+the same on the ranks' own tensors through cross-memory attach (``cma``), hierarchical
+collectives across nodes (``hierarchical``), CUDA tensors through pinned memory (``staging``)."""

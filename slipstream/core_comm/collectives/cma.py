@@ -1,42 +1,32 @@
-"""Allreduce, reduce-scatter and allgather among the ranks of one node that access their
-peers' tensors in place with cross-memory attach (``process_vm_readv(2)`` and
-``process_vm_writev(2)``).
+"""Allreduce, reduce-scatter and allgather among the ranks of one node on the peers' tensors
+in place, through cross-memory attach (``process_vm_readv(2)``, ``process_vm_writev(2)``).
 
-``shm.py`` copies every rank's input into the shared segment and every result out of it.
-Here each rank publishes the address of its own tensor on its control line of the
-``ShmComm`` segment, and the kernel copies between the peers' pages and ours, once.
-An allreduce of S bytes on n ranks, on rank r:
+Where ``shm.py`` copies every input into the shared segment and every result out, here each
+rank publishes its tensor's address on its ``ShmComm`` control line and the kernel copies
+between the peers' pages and ours, once. An allreduce of S bytes on n ranks, on rank r:
 
-1. publish the tensor's address and synchronise (``ShmComm.start``, which also checks that
-   every rank runs the same call);
-2. for each ``chunk_bytes`` chunk of slice r: read the chunk of every peer into a scratch
-   that stays in the L2 cache and combine it into this rank's own chunk, then write the
-   result into the same chunk of every peer. Only rank r reads or writes slice r of any
-   rank's tensor, so no other synchronisation is needed;
-3. synchronise (``ShmComm.finish``): no rank returns, and may change its tensor, while a
-   peer still reads or writes it.
+1. publish the address and synchronise (``ShmComm.start``, which checks the calls match);
+2. for each ``chunk_bytes`` chunk of slice r: read the chunk of every peer into a scratch that
+   stays in the L2 cache and combine it into this rank's own chunk, then write the result into
+   the same chunk of every peer. Only rank r touches slice r of any tensor: no other sync;
+3. synchronise (``ShmComm.finish``): no rank returns, and may change its tensor, while a peer
+   still reads or writes it.
 
-One rank computes each slice and the others receive it, so every rank ends with the same
-bits. Each rank reads S and writes S of its own memory, and the kernel moves 2(n-1)/n x S.
-A reduce-scatter is step 2 without the writes; an allgather writes each chunk of the input
-into this rank's row of its output and from there into the same row of every peer's.
+One rank computes each slice, so every rank ends with the same bits; each reads S and writes S
+of its own memory, and the kernel moves 2(n-1)/n x S. A reduce-scatter is step 2 without the
+writes; an allgather writes each input chunk into this rank's row of its output and from there
+into the same row of every peer's. Writing the results rather than reading them after a second
+barrier: a 64 MiB fp32 allreduce on 1 node x 4 ranks (2-core KVM Xeon, chrt -f 10) took 48-52
+ms against 60-69 ms reading them, 86-94 ms for gloo (`slipstream bench comm`; in the history
+of benchmarks/results/comm_*.md): the kernel copies pages at 4-6 GB/s when it reads them from
+DRAM but at 11 GB/s when it writes from a source in cache.
 
-Writing the results (step 2) rather than letting each rank read them after a second
-barrier: a 64 MiB fp32 allreduce on 1 node x 4 ranks (2-core KVM Xeon, chrt -f 10) took
-48-52 ms against 60-69 ms reading them, 86-94 ms for gloo (`slipstream bench comm`; in the
-history of benchmarks/results/comm_*.md).
-The kernel copies pages at 4-6 GB/s when it reads them from DRAM but at 11 GB/s when it
-writes from a source in cache.
-
-Failures: a rank whose copy fails (the peer died: ESRCH) marks its call aborted and still
-waits at step 3, since peers may be writing into its tensor; then every rank raises
-``ShmError``. A rank that dies is noticed by the others' waits; a survivor may then return
-while another survivor, within the chunk it is on, still writes into its tensor.
-
-The kernel allows these calls only to a process that may ptrace the peer (same uid and
-Yama's ptrace_scope, or CAP_SYS_PTRACE), and container runtimes' seccomp filters may refuse
-them; ``CmaComm`` probes once at set-up, and every rank learns the outcome, so that all of
-them use it or none does.
+Failures: a rank whose copy fails (ESRCH: the peer died) marks its call aborted and still waits
+at step 3, as peers may be writing into its tensor; then every rank raises ``ShmError``. When
+a rank dies, a survivor may return while another survivor, within its chunk, still writes into
+its tensor. The kernel allows these calls only to a process that may ptrace the peer (same uid
+and Yama's ptrace_scope, or CAP_SYS_PTRACE), and seccomp filters of container runtimes may
+refuse them: ``CmaComm`` probes once at set-up, so that all ranks use it or none does.
 """
 
 from __future__ import annotations
@@ -50,7 +40,7 @@ import secrets
 import torch
 import torch.distributed as dist
 
-from ..ops import COMBINE, level_op
+from ..ops import COMBINE, level_op, overlaps
 from .shm import ShmComm, ShmError, _split, check_sizes
 
 __all__ = ["CmaComm", "read_peer", "write_peer"]
@@ -101,10 +91,8 @@ def _transfer(fn, name: str, pid: int, local: int, remote: int, nbytes: int) -> 
 
 
 class CmaComm:
-    """In-place collectives over the ranks of ``shm``'s group, for CPU tensors of a dtype
-    and op ``ShmComm.supports``; fp16/bf16 sums and products accumulate in fp32, AVG is the
-    sum divided by the world size, as in ``ShmComm``.
-
+    """In-place collectives over the ranks of ``shm``'s group, for the CPU tensors, dtypes and
+    ops of ``ShmComm`` (fp16/bf16 sums and products accumulate in fp32; AVG divides the sum).
     Construction is collective over ``shm.group`` and raises ``ShmError`` on every rank when
     any rank cannot read and write a peer. Calls are ordered with ``shm``'s own: both count
     steps on the same control lines.
@@ -123,8 +111,6 @@ class CmaComm:
         self._pids = _probe(shm.group, shm.rank)
         self._scratch = torch.empty(chunk_bytes, dtype=torch.uint8)  # one peer's chunk
         self._acc = torch.empty(chunk_bytes // 2, dtype=torch.float32)  # of fp16/bf16 chunks
-
-    # ---------------------------------------------------------------- public collectives
 
     def all_reduce(self, tensor: torch.Tensor, op=ReduceOp.SUM) -> None:
         """In place: ``tensor`` (any shape) becomes the reduction over ranks."""
@@ -148,7 +134,7 @@ class CmaComm:
             return
         src = input.reshape(-1) if input.is_contiguous() else input.contiguous().view(-1)
         out = output if output.is_contiguous() else torch.empty_like(output)
-        if _overlap(out, src) and out.data_ptr() != src[r * n:].data_ptr():
+        if overlaps(out, src) and out.data_ptr() != src[r * n:].data_ptr():
             out = torch.empty_like(output)  # peers read every block of ``src`` but ours
         addrs = self.shm.start("cma_reduce_scatter", src, op, src.data_ptr())
         with self._call():
@@ -166,15 +152,13 @@ class CmaComm:
         src = input.reshape(-1) if input.is_contiguous() else input.contiguous().view(-1)
         out = output if output.is_contiguous() else torch.empty_like(output)
         rows = out.view(self.shm.world, n)
-        if _overlap(out, src) and rows[r].data_ptr() != src.data_ptr():
+        if overlaps(out, src) and rows[r].data_ptr() != src.data_ptr():
             src = src.clone()  # peers fill our other rows while we still read it
         addrs = self.shm.start("cma_all_gather", out, ReduceOp.SUM, out.data_ptr())
         with self._call():
             self._broadcast_row(rows[r], src, addrs)
         if out is not output:
             output.copy_(out)
-
-    # ---------------------------------------------------------------- helpers
 
     @contextlib.contextmanager
     def _call(self):
@@ -265,9 +249,3 @@ def _probe(group, rank: int) -> list[int]:
     if failed:
         raise ShmError(f"cross-memory attach is not usable: {failed[0]}")
     return [pid for pid, _, _ in peers]
-
-
-def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether the bytes of contiguous ``a`` and ``b`` overlap."""
-    a0, b0 = a.data_ptr(), b.data_ptr()
-    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()

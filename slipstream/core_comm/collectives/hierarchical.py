@@ -1,6 +1,6 @@
-"""Hierarchical collectives: inside the node through shared memory, across nodes through
-the stock backend, each local rank with its peers (the ranks of the same local index on the
-other nodes), all local ranks in parallel.
+"""Hierarchical collectives: shared memory inside the node, an ``InterTransport`` across nodes
+between each local rank and its peers (the ranks of the same local index on the other nodes),
+all local ranks in parallel.
 
 allreduce      = intra reduce-scatter -> inter allreduce of the shard -> intra allgather
 reduce-scatter = intra reduce-scatter (of each node's blocks) -> inter reduce-scatter
@@ -8,13 +8,11 @@ allgather      = inter allgather -> intra allgather (then blocks put back in gro
 
 All three are pipelined by chunk: the inter-node exchange of chunk k (gloo's or the
 transport's threads) overlaps the intra-node work of chunk k+1 (this thread). A chunk of a
-reduce-scatter or allgather is the same column range of every rank's block, so blocks still
-go to the ranks of their local index, and every element is reduced in the same order
-whatever the chunk size.
-
-Every node sends its data across its link once per other node's share, the least possible:
-for 2 nodes, an allreduce of S bytes sends S bytes out of each node, where a flat ring over
-all ranks sends 2(W-1)/W * S across the link that its ring crosses.
+reduce-scatter or allgather is the same column range of every block, so blocks still go to
+the ranks of their local index and every element is reduced in the same order whatever the
+chunk size. Each node sends its data across its link once per other node's share, the least
+possible: for 2 nodes, an allreduce of S bytes sends S out of each node, where a flat ring
+over all ranks sends 2(W-1)/W * S across the link its ring crosses.
 """
 
 from __future__ import annotations
@@ -38,7 +36,6 @@ ReduceOp = dist.ReduceOp
 
 class Hierarchical:
     """Collectives of one group whose ranks sit on several nodes with the same count each.
-
     ``shm`` spans this rank's node (None when each node holds one rank), ``inter`` connects
     this rank with its peers on the other nodes: a process group of them (wrapped in
     ``GlooInter``) or any ``InterTransport`` whose ranks are ordered by global rank.
@@ -46,15 +43,8 @@ class Hierarchical:
 
     __slots__ = ("topo", "shm", "inter", "chunk_bytes", "depth", "_inter_pos", "_order", "_node_rows")
 
-    def __init__(
-        self,
-        topo: Topology,
-        shm: ShmComm | None,
-        inter: dist.ProcessGroup | InterTransport,
-        *,
-        chunk_bytes: int = 4 << 20,
-        depth: int = 2,
-    ) -> None:
+    def __init__(self, topo: Topology, shm: ShmComm | None, inter: dist.ProcessGroup | InterTransport, *,
+                 chunk_bytes: int = 4 << 20, depth: int = 2) -> None:
         if not topo.is_uniform:
             raise ValueError(f"hierarchical collectives need equal nodes, got sizes {topo.node_sizes}")
         if chunk_bytes <= 0 or depth < 1:
@@ -76,8 +66,6 @@ class Hierarchical:
         # local-index order: the rows one intra reduce-scatter gives out to the local ranks.
         self._node_rows = [_rows(topo.ranks_on(node_at[q])) for q in range(topo.num_nodes)]
 
-    # ---------------------------------------------------------------- allreduce
-
     def all_reduce(self, flat: torch.Tensor, op, chunk_bytes: int | None = None) -> None:
         """In place on a contiguous 1-D CPU tensor, in pipelined chunks of ``chunk_bytes``
         (default: the one given at construction)."""
@@ -91,7 +79,10 @@ class Hierarchical:
             chunk = flat[lo:hi]
             padded = _pad_to(chunk, m_local)
             shard = torch.empty(padded.numel() // m_local, dtype=flat.dtype)
-            self._intra_reduce_scatter(shard, padded, level_op)
+            if self.shm is None:
+                shard.copy_(padded)
+            else:
+                self.shm.reduce_scatter(shard, padded, level_op)
             return self.inter.all_reduce(shard, level_op, async_op=True), shard, chunk, padded
 
         _pipeline(map(start, _ramped(flat.numel(), step, m_local)), self._finish_all_reduce, self.depth)
@@ -101,11 +92,12 @@ class Hierarchical:
     def _finish_all_reduce(self, started) -> None:
         work, shard, chunk, padded = started
         work.wait()
-        self._intra_all_gather(padded, shard)
+        if self.shm is None:
+            padded.copy_(shard)
+        else:
+            self.shm.all_gather(padded, shard)
         if padded is not chunk:
             chunk.copy_(padded[: chunk.numel()])
-
-    # ---------------------------------------------------------------- reduce-scatter
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op, chunk_bytes: int | None = None) -> None:
         """``out: (n,)`` contiguous; ``inp: (world * n,)`` contiguous, in group-rank order.
@@ -134,8 +126,6 @@ class Hierarchical:
         _pipeline(map(start, self._columns(n, inp.element_size(), chunk_bytes)), _wait, self.depth)
         if op == ReduceOp.AVG:
             out.div_(self.topo.world_size)
-
-    # ---------------------------------------------------------------- allgather
 
     def all_gather(self, out: torch.Tensor, inp: torch.Tensor, chunk_bytes: int | None = None) -> None:
         """``out: (world * n,)`` contiguous gets every rank's ``inp: (n,)`` in group order.
@@ -167,20 +157,6 @@ class Hierarchical:
         of the world's blocks, at least one column."""
         width = max(1, (chunk_bytes or self.chunk_bytes) // (itemsize * self.topo.world_size))
         return [slice(a, min(n, a + width)) for a in range(0, n, width)]
-
-    # ---------------------------------------------------------------- intra-node steps
-
-    def _intra_reduce_scatter(self, shard, full, op) -> None:
-        if self.shm is None:
-            shard.copy_(full)
-        else:
-            self.shm.reduce_scatter(shard, full, op)
-
-    def _intra_all_gather(self, full, shard) -> None:
-        if self.shm is None:
-            full.copy_(shard)
-        else:
-            self.shm.all_gather(full, shard)
 
 
 def _pipeline(started: Iterable, finish: Callable, depth: int) -> None:

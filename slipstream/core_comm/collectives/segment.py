@@ -50,10 +50,9 @@ def segment_name(pid: int) -> str:
 
 
 def sweep_stale(directory: str = SHM_DIR) -> list[str]:
-    """Remove the segments of dead slipstream processes: named by ``segment_name``, owned by
-    this user, whose creating process is gone. Nothing else is touched. Returns the paths
-    removed. (A live segment's name exists only for the milliseconds of its set-up; one left
-    behind means its creator died then.)"""
+    """Remove the segments of dead slipstream processes (named by ``segment_name``, owned by
+    this user, their creator gone; nothing else) and return their paths. A live segment's name
+    exists only for the milliseconds of its set-up: one left behind means its creator died."""
     removed = []
     try:
         names = os.listdir(directory)

@@ -8,28 +8,23 @@ Layout of the one segment a group shares (created by group rank 0)::
     inputs:  world x 2 x slot_bytes  per rank, two slots (double buffering)
     results: 2 x slot_bytes          the reduced chunk; rank r writes only its slice r
 
-Every rank writes only its own control line, its own input slots and its own slice of the
-result; peers read them in place.
-Progress is a per-rank step counter: a rank publishes ``step += 1`` after finishing a phase,
-and waits until every rank's counter reaches the same value. Ranks issue the same sequence
-of phases, so equal counters mean equal progress. Slots alternate between chunks, so a rank
-copies chunk k+1 into one slot while slower peers still reduce chunk k from the other.
-
-Large messages take the bandwidth-optimal path (each rank reduces its slice of a chunk and
-peers copy the reduced slices out); messages up to ``small_bytes`` take the latency-optimal
-one (one synchronisation, every rank reduces the whole message). fp16/bf16 accumulate in fp32.
+Each rank writes only its own control line, input slots and result slice; peers read them in
+place. Progress is a per-rank step counter: a rank publishes ``step += 1`` after a phase and
+waits until every rank's counter reaches it (ranks issue the same phases, so equal counters
+mean equal progress). Slots alternate between chunks: a rank copies chunk k+1 into one while
+slower peers still reduce chunk k from the other. Large messages take the bandwidth-optimal
+path (each rank reduces its slice of a chunk, peers copy the reduced slices out), those up to
+``small_bytes`` the latency-optimal one (one synchronisation, every rank reduces the whole
+message). fp16/bf16 accumulate in fp32.
 
 Memory ordering: data is written before the step that publishes it and read after the step
 is seen; x86-64 keeps stores in order and loads in order (TSO), and the GIL hand-offs around
 each torch op are locked instructions, which also order streaming stores. Other
-architectures are not enabled (``is_supported_platform``); callers fall back to the stock
-collective there.
+architectures fall back to the stock collective (``is_supported_platform``).
 
-Set-up: rank 0 creates ``/dev/shm/slipstream-<its pid>-<128 random bits>`` with mode 0600,
-every rank maps it, and rank 0 unlinks the name as soon as all have mapped it (only a name it
-created). From then on nothing is left in /dev/shm to clean up, even if a rank is killed with
-SIGKILL. A rank 0 that dies during those milliseconds leaves the name behind: the next set-up
-on the machine, or ``slipstream env --clean``, removes such names of dead processes.
+Set-up (``segment.py``): the segment's name is unlinked once every rank has mapped it, so
+nothing is left in /dev/shm even after a SIGKILL; the name of a creator that died in those
+milliseconds is removed by the next set-up on the machine or ``slipstream env --clean``.
 """
 
 from __future__ import annotations
@@ -43,24 +38,8 @@ import torch
 import torch.distributed as dist
 
 from ..ops import DTYPES, OPS, cannot_reduce, code, reduce_rows
-from .segment import (
-    _ABORTED,
-    _ADDR,
-    _DTYPE,
-    _KIND,
-    _LINE,
-    _LINE_WORDS,
-    _NUMEL,
-    _OP,
-    _PID,
-    _SEQ,
-    _STEP,
-    KINDS_HERE,
-    ShmError,
-    _describe,
-    _map_segment,
-    _process_gone,
-)
+from .segment import (_ABORTED, _ADDR, _DTYPE, _KIND, _LINE, _LINE_WORDS, _NUMEL, _OP, _PID, _SEQ, _STEP,
+                      KINDS_HERE, ShmError, _describe, _map_segment, _process_gone)
 
 __all__ = ["ShmComm", "ShmError", "check_sizes", "is_supported_platform"]
 
@@ -74,12 +53,9 @@ def is_supported_platform() -> bool:
 
 
 class ShmComm:
-    """Collectives among the ranks of ``group``, which must all run on one node.
-
-    Construction is collective over ``group``. Tensors must be CPU tensors of a dtype in
-    ``ops.REDUCIBLE_DTYPES`` and an op in ``ops.OPS`` (AVG for floating dtypes only);
-    callers check ``supports`` and use the stock collective otherwise.
-    """
+    """Collectives among the ranks of ``group``, all on one node; construction is collective.
+    Tensors: CPU, of a dtype in ``ops.REDUCIBLE_DTYPES``, with an op in ``ops.OPS`` (AVG for
+    floating dtypes only); callers check ``supports`` and use the stock collective otherwise."""
 
     __slots__ = (
         # set-up
@@ -90,14 +66,8 @@ class ShmComm:
         "_step", "_seq", "_next_slot", "_slot_free_at", "_unchecked", "_broken",
     )
 
-    def __init__(
-        self,
-        group: dist.ProcessGroup | None = None,
-        *,
-        slot_bytes: int = 1 << 20,
-        small_bytes: int = 64 << 10,
-        timeout: float = 300.0,
-    ) -> None:
+    def __init__(self, group: dist.ProcessGroup | None = None, *, slot_bytes: int = 1 << 20,
+                 small_bytes: int = 64 << 10, timeout: float = 300.0) -> None:
         if slot_bytes % _LINE or slot_bytes <= 0:
             raise ValueError(f"slot_bytes must be a positive multiple of {_LINE}, got {slot_bytes}")
         if not 0 <= small_bytes <= slot_bytes:
@@ -108,9 +78,7 @@ class ShmComm:
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
         self.global_ranks = dist.get_process_group_ranks(group) if group is not None else list(range(self.world))
-        self.slot_bytes = slot_bytes
-        self.small_bytes = small_bytes
-        self.timeout = timeout
+        self.slot_bytes, self.small_bytes, self.timeout = slot_bytes, small_bytes, timeout
         w = self.world
         nbytes = w * _LINE + (w + 1) * 2 * slot_bytes
         self._mm, self.segment_name = _map_segment(group, self.rank, nbytes)
@@ -120,16 +88,12 @@ class ShmComm:
         self._inputs = data[: w * 2 * slot_bytes].view(w, 2, slot_bytes)
         self._results = data[w * 2 * slot_bytes:].view(2, slot_bytes)
         self._views: dict = {}
-        self._step = 0
-        self._seq = 0
-        self._next_slot = 0
+        self._step = self._seq = self._next_slot = 0
         self._slot_free_at = [0, 0]
         self._unchecked = False
         self._broken: str | None = None
         self._ctrl[self.rank, _PID] = os.getpid()
         dist.barrier(group=group)  # every pid is written before anyone waits on peers
-
-    # ---------------------------------------------------------------- public collectives
 
     @staticmethod
     def supports(tensor: torch.Tensor, op=ReduceOp.SUM) -> str | None:
@@ -174,11 +138,9 @@ class ShmComm:
             output.copy_(out)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
-        """``output: (world * n,)`` gets every rank's ``input: (n,)`` in rank order.
-
-        ``input`` may be a view into ``output`` (FSDP2 does this): its row is rewritten with
-        the values it already holds.
-        """
+        """``output: (world * n,)`` gets every rank's ``input: (n,)`` in rank order. ``input``
+        may be a view into ``output`` (FSDP2 does this): its row is rewritten with the values
+        it already holds."""
         self._check(input, ReduceOp.SUM)
         self._check(output, ReduceOp.SUM)
         check_sizes("all_gather", output, input, self.world)
@@ -228,7 +190,6 @@ class ShmComm:
         except BufferError:
             pass  # a caller still holds a view; the mapping goes with the last reference
 
-    # ---------------------------------------------------------------- algorithms
     # Each phase of a chunk is one torch op over a strided view of every rank's slot, so
     # Python overhead per chunk stays a few microseconds. 1 MiB slots: of 256 KiB, 1 MiB and
     # 4 MiB on 1 node x 4 ranks (2-core VM), 256 KiB lost to synchronisation (2.5x slower at
@@ -237,7 +198,6 @@ class ShmComm:
     # chunk on every rank (one sync instead of two) measured slower, 87 vs 79 ms at 64 MiB.
 
     def _all_reduce_small(self, flat: torch.Tensor, op) -> None:
-        # One synchronisation: every rank reduces the whole message from all slots.
         n = flat.numel()
         ins, _ = self._acquire_slot(flat.dtype)
         ins[self.rank, :n].copy_(flat)
@@ -246,8 +206,6 @@ class ShmComm:
         self._release_slot()
 
     def _all_reduce_large(self, flat: torch.Tensor, op) -> None:
-        # Per chunk: copy in; rank r reduces slice r of every slot into the shared result;
-        # every rank copies the whole result out.
         cap = self._capacity(flat.dtype)
         align = max(1, _LINE // flat.element_size())
         for lo in range(0, flat.numel(), cap):
@@ -262,8 +220,6 @@ class ShmComm:
             self._sync()
             flat[lo:lo + m].copy_(res[:m])
             self._release_slot()
-
-    # ---------------------------------------------------------------- slots and steps
 
     def _capacity(self, dtype: torch.dtype) -> int:
         return self.slot_bytes // dtype.itemsize
@@ -345,11 +301,9 @@ class ShmComm:
             if _process_gone(pid):
                 self.fail(f"{self.who(r, pid)} died during a collective")
         if waited > self.timeout:
-            self.fail(
-                f"timed out after {waited:.0f}s waiting for {', '.join(self.who(r) for r in late)}: are all ranks "
-                "calling the same collective with the same tensor size, dtype and device? "
-                "(SLIPSTREAM_DEBUG=1 checks this before every collective)"
-            )
+            self.fail(f"timed out after {waited:.0f}s waiting for {', '.join(self.who(r) for r in late)}: are "
+                      "all ranks calling the same collective with the same tensor size, dtype and device? "
+                      "(SLIPSTREAM_DEBUG=1 checks this before every collective)")
 
     def _check_peers_match(self) -> None:
         # A peer that finished this call may already be rewriting its line for the next
@@ -361,10 +315,8 @@ class ShmComm:
         bad = np.flatnonzero(same_call & (fields != mine[_KIND:_OP + 1]).any(axis=1))
         if bad.size:
             r = int(bad[0])
-            self.fail(
-                f"collective #{self._seq} differs between ranks: {self.who(self.rank)} runs "
-                f"{_describe(mine[_KIND:])}, {self.who(r)} runs {_describe(fields[r])}"
-            )
+            self.fail(f"collective #{self._seq} differs between ranks: {self.who(self.rank)} runs "
+                      f"{_describe(mine[_KIND:])}, {self.who(r)} runs {_describe(fields[r])}")
 
     def who(self, r: int, pid: int | None = None) -> str:
         """Local rank ``r`` as errors name it: ``local rank 1 (global rank 3, pid 4242)``."""
@@ -374,9 +326,6 @@ class ShmComm:
         """Mark the communicator unusable and raise ``ShmError(why)``."""
         self._broken = why
         raise ShmError(why)
-
-
-# -------------------------------------------------------------------- helpers
 
 
 def _split(n: int, parts: int, align: int) -> list[int]:
@@ -390,8 +339,6 @@ def check_sizes(kind: str, output: torch.Tensor, input: torch.Tensor, world: int
     """``output`` holds ``world`` blocks of ``input``'s size (allgather) or the reverse."""
     big, small = (output, input) if kind == "all_gather" else (input, output)
     if big.numel() != small.numel() * world or output.dtype != input.dtype:
-        raise ValueError(
-            f"{kind}: output {tuple(output.shape)} {output.dtype} and input {tuple(input.shape)} "
-            f"{input.dtype}: expected the {'output' if big is output else 'input'} to hold "
-            f"world_size ({world}) times the elements of the other, of the same dtype"
-        )
+        raise ValueError(f"{kind}: output {tuple(output.shape)} {output.dtype} and input {tuple(input.shape)} "
+                         f"{input.dtype}: expected the {'output' if big is output else 'input'} to hold "
+                         f"world_size ({world}) times the elements of the other, of the same dtype")

@@ -73,6 +73,4 @@ class CudaStaging:
 
     def to_host(self, tensor: torch.Tensor) -> torch.Tensor:
         """A pinned host copy of ``tensor`` (whole; for reduce-scatter and allgather)."""
-        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-        host.copy_(tensor)
-        return host
+        return torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True).copy_(tensor)

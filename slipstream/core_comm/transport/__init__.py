@@ -1,6 +1,6 @@
 """How a rank exchanges with its peers on the other nodes: through the group's own gloo
 (``gloo``), or over K TCP connections per peer (``tcp``, whose sockets and threads are
-``_lanes``). Both implement ``InterTransport``, the three calls ``Hierarchical`` makes."""
+``_lanes``); both implement ``InterTransport``."""
 
 from __future__ import annotations
 
@@ -12,9 +12,8 @@ __all__ = ["InterTransport"]
 
 
 class InterTransport(Protocol):
-    """How a rank exchanges with its peers on the other nodes (one per node, in node order
-    given by ``Hierarchical``'s inter positions). With ``async_op`` each call returns a handle
-    whose ``wait()`` completes the call (the data is in place after it)."""
+    """The three calls ``Hierarchical`` makes to the peers (one per node, in the order of its
+    inter positions). With ``async_op`` each returns a handle whose ``wait()`` completes it."""
 
     def all_reduce(self, shard: torch.Tensor, op, async_op: bool = False): ...
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op, async_op: bool = False): ...

@@ -98,8 +98,7 @@ class _Lanes:
         with self._lock:
             if self.error is not None or self.closed:
                 raise TransportError(f"the transport is unusable: {self.error or 'it was closed'}")
-            call = _Call(self._seq, code(KINDS, kind), code(DTYPES, tensor.dtype), tensor.numel(),
-                         len(programs))
+            call = _Call(self._seq, code(KINDS, kind), code(DTYPES, tensor.dtype), tensor.numel(), len(programs))
             self._seq += 1
             for c, steps in enumerate(programs):
                 self._work[c].put((call, steps))
@@ -119,23 +118,18 @@ class _Lanes:
     def close(self) -> None:
         if self.closed:
             return
-        if os.getpid() != self._pid:  # shutdown() would cut the parent's connections too
-            self.closed = True
-            for s in {*self.send_socks, *self.recv_socks, *self.listeners}:
-                s.close()
-            return
-        with self._lock:
-            self.closed = True
-        self.fail(TransportError("the transport was closed"))
-        for q in (*self._work, *self._recvs):
-            q.put(None)
-        for t in self._threads:
-            if t is not threading.current_thread():
-                t.join(timeout=5)
+        if os.getpid() == self._pid:  # in a forked child, shutdown() would cut the parent's connections too
+            with self._lock:
+                self.closed = True
+            self.fail(TransportError("the transport was closed"))
+            for q in (*self._work, *self._recvs):
+                q.put(None)
+            for t in self._threads:
+                if t is not threading.current_thread():
+                    t.join(timeout=5)
+        self.closed = True
         for s in {*self.send_socks, *self.recv_socks, *self.listeners}:
             s.close()
-
-    # ------------------------------------------------------------ threads
 
     def _lane(self, c: int) -> None:
         while (task := self._work[c].get()) is not None:
@@ -181,8 +175,6 @@ class _Lanes:
                 job[4] = self._explain(e, c, call, "receiving from", self.peers[1])
                 self.fail(job[4])
             done.set()
-
-    # ------------------------------------------------------------ messages
 
     def _explain(self, e: BaseException, c: int, call: _Call, doing: str, peer: str) -> BaseException:
         if self.error is not None:
@@ -277,11 +269,8 @@ def _listen(address: str, ports: range | None, k: int, timeout_s: float) -> list
 def _bind_all(address: str, ports: Sequence[int], timeout_s: float) -> list[socket.socket]:
     listeners: list[socket.socket] = []
     try:
-        for port in ports:
-            listeners.append(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
-            listeners[-1].setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            listeners[-1].bind((address, port))
-            listeners[-1].listen(8)  # room for a peer behind a foreign connection
+        for port in ports:  # SO_REUSEADDR set; a backlog of 8: room for a peer behind a foreign connection
+            listeners.append(socket.create_server((address, port), backlog=8))
             listeners[-1].settimeout(timeout_s)
     except BaseException:
         for sock in listeners:

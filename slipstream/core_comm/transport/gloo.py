@@ -15,8 +15,6 @@ __all__ = ["GlooInter"]
 
 
 class GlooInter:
-    """The inter-node exchange through the stock backend of a process group."""
-
     __slots__ = ("group", "rank", "size")
 
     def __init__(self, group: dist.ProcessGroup) -> None:

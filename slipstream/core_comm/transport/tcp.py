@@ -1,30 +1,25 @@
 """Multi-connection inter-node transport: every message split across K TCP connections.
 
 Clouds cap a single TCP flow below the link rate, and one connection driven by one thread
-rarely fills a fast link. ``MultiConnInter`` is an ``InterTransport`` (``hierarchical.py``)
-that keeps K connections to each ring neighbour and cuts every block of a message into K
-pieces, piece ``c`` travelling on connection ``c``.
-
-Algorithms among N peers (S bytes per rank):
+rarely fills a fast link. ``MultiConnInter``, an ``InterTransport`` (``hierarchical.py``),
+keeps K connections to each ring neighbour and cuts every block of a message into K pieces,
+piece ``c`` travelling on connection ``c``. Algorithms among N peers (S bytes per rank):
 
     all_reduce, N = 2   one direct exchange: each sends its whole tensor and reduces what
                         arrives (S out of each node, the least possible, in one round trip)
     all_reduce, N > 2   ring reduce-scatter, then ring allgather (2(N-1)/N x S out of each node)
     reduce_scatter      ring, N-1 steps;  all_gather: ring, N-1 steps
 
-Lanes: lane ``c`` is a thread that runs piece ``c`` of every call, in call order, step by
-step: send the header, post the receive, send the piece, wait for the receive, reduce (torch
-ops and socket I/O release the GIL, so lanes and the caller's thread run in parallel). A receiver thread per lane reads its
-connection with ``recv_into`` straight into the tensor's memory. Calls return a handle at once;
-one call's pieces are queued on every lane under one lock, so calls keep their order.
+Lane ``c`` (``_lanes.py``) is a thread that runs piece ``c`` of every call in call order, step
+by step: send the header, post the receive, send the piece, wait for the receive, reduce (torch
+ops and socket I/O release the GIL, so lanes and the caller run in parallel); a receiver thread
+per lane reads its connection straight into the tensor (``recv_into``). Calls return a handle
+at once; a call's pieces are queued on every lane under one lock, so calls keep their order.
 
 Wire: before every piece (empty ones too) a 32-byte header names the call number, kind, dtype,
-element count and piece size; the receiver checks them, so a size or order mismatch between
-peers raises instead of corrupting data. Any error (a dead peer, a timeout, a mismatch) breaks
-the transport: every pending and later call raises that first error.
-
-Ports: each rank listens on K ports of its own for the transport's life (``_listen``), so
-that per-connection rate limits keyed on ports (the emulated cluster's) see one flow per port.
+element count and piece size; the receiver checks them, so a mismatch between peers raises
+instead of corrupting data. Any error (a dead peer, a timeout, a mismatch) breaks the
+transport: every pending and later call raises that first error.
 """
 
 from __future__ import annotations
@@ -40,7 +35,7 @@ from typing import Mapping
 import torch
 import torch.distributed as dist
 
-from ..ops import COMBINE, DTYPES
+from ..ops import COMBINE, DTYPES, overlaps
 from ..work import Work
 from ._lanes import TransportError, _connect, _Lanes, _Step
 from ._lanes import _listen  # noqa: F401 - reached as transport._listen (tests)
@@ -78,11 +73,6 @@ def endpoint_from_env(environ: Mapping[str, str] = os.environ) -> tuple[str, ran
     return address, range(int(base), 65536)
 
 
-def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    a0, b0 = a.data_ptr(), b.data_ptr()
-    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
-
-
 def _split(lo: int, hi: int, parts: int) -> list[tuple[int, int]]:
     """``[lo, hi)`` cut into ``parts`` near-equal ranges (some empty when it is short)."""
     n = hi - lo
@@ -97,11 +87,10 @@ class MultiConnInter:
     """``InterTransport`` over ``connections`` TCP connections to each ring neighbour in
     ``group`` (this rank's peers on the other nodes, one per node). Construction is collective
     over ``group``, which carries the addresses; data never goes through it.
-
-    ``address``/``ports``: where this rank listens; None takes them from ``endpoint_from_env``.
-    With ``ports``, each rank listens on K (= ``connections``) ports of its own (see ``_listen``),
-    so that every connection of the job has its own port (the emulated cluster's
-    per-connection caps key on ports); without, the kernel picks them.
+    ``address``/``ports``: where this rank listens (None: ``endpoint_from_env``'s). With
+    ``ports``, each rank listens on K ports of its own (``_listen``), so that per-connection
+    rate limits keyed on ports (the emulated cluster's) see one flow per port; without, the
+    kernel picks them.
     ``timeout_s``: a peer that sends or takes nothing for this long raises ``TransportError``.
     Tensors: contiguous, CPU, of ``ops.DTYPES``; ops SUM, PRODUCT, MAX, MIN (AVG is the caller's).
     """
@@ -136,8 +125,6 @@ class MultiConnInter:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # ------------------------------------------------------------ collectives
-
     def all_reduce(self, shard: torch.Tensor, op=ReduceOp.SUM, async_op: bool = False):
         """In place on ``shard`` (any shape, contiguous), like ``dist.all_reduce``."""
         reduce = self._check("all_reduce", op, shard)
@@ -160,7 +147,7 @@ class MultiConnInter:
         """``out: (m,)`` gets block ``rank`` of the reduction of every peer's ``inp: (size*m,)``."""
         reduce = self._check("reduce_scatter", op, inp, out, inp.numel() == out.numel() * self.size)
         m = out.numel()
-        if m and _overlap(out, inp):
+        if m and overlaps(out, inp):
             raise ValueError("reduce_scatter: out overlaps inp; pass a separate output tensor")
         if self.size == 1:
             out.copy_(inp.view_as(out))
@@ -184,8 +171,6 @@ class MultiConnInter:
         k = self._lanes_for(m * inp.element_size())
         programs = [self._ring_gather(blocks, inp.view(-1), k, c) for c in range(k)]
         return self._submit("all_gather", inp, programs, async_op)
-
-    # ------------------------------------------------------------ ring programs (lane c)
 
     def _ring_reduce(self, inp, acc, tmp, reduce, k: int, c: int) -> list[_Step]:
         """Ring reduce-scatter of piece ``c`` of each block: at step s, send block r-s-1 (the
@@ -216,8 +201,6 @@ class MultiConnInter:
                 sa, sb_ = _split(0, blocks[sb].numel(), k)[c]
                 steps.append((blocks[sb][sa:sb_], blocks[rb][ra:rb_], None))
         return steps
-
-    # ------------------------------------------------------------ plumbing
 
     def _check(self, kind: str, op, t: torch.Tensor, other: torch.Tensor | None = None, sizes_ok=True):
         for x in (t,) if other is None else (t, other):
