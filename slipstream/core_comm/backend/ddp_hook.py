@@ -5,13 +5,11 @@ keep their own backend (gloo)::
     model.register_comm_hook(slipstream.DDPHookState(group), slipstream.ddp_hook)
 
 Like torch's ``default_hooks.allreduce_hook`` it divides the bucket by the group size, then
-sums it across ranks, so the result equals DDP's own (bitwise where the summation order is the
-same). The state is the process group (None: WORLD) or a ``DDPHookState``, which also takes a
-``CommConfig``. The group's communicator comes from the core's pool, built on the first
-bucket (a collective: DDP reduces buckets in the same order on every rank).
-
-DDP checks the hook's annotations (``bucket: dist.GradBucket``, a ``Future[Tensor]`` result),
-so this module does not use postponed annotations.
+sums it, so the result equals DDP's own (bitwise where the summation order is the same). The
+state is the process group (None: WORLD) or a ``DDPHookState``, which also takes a
+``CommConfig``. The communicator comes from the pool, built on the first bucket (a collective:
+DDP reduces buckets in the same order on every rank). DDP checks the hook's annotations
+(``bucket: dist.GradBucket``, a ``Future[Tensor]`` result): no postponed annotations here.
 """
 
 import torch
@@ -42,12 +40,9 @@ class DDPHookState:
 
 
 def ddp_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """Average ``bucket.buffer()`` (flat, the bucket's dtype and device) over the group.
-
-    Returns a future of the averaged buffer, as DDP expects. Runs on the communicator's
-    worker thread when the core takes the call; otherwise it is the group's own async
-    allreduce.
-    """
+    """Average ``bucket.buffer()`` (flat, the bucket's dtype and device) over the group; a
+    future of the averaged buffer, as DDP expects. Runs on the communicator's worker thread
+    when the core takes the call; otherwise it is the group's own async allreduce."""
     hook_state = state if isinstance(state, DDPHookState) else DDPHookState(state)
     comm = hook_state.communicator()
     buffer = bucket.buffer()

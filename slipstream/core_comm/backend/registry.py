@@ -1,10 +1,9 @@
 """Registration of the ``slipstream`` backend with torch.distributed, and its exact undo.
 
-``register`` is idempotent and touches only torch's backend tables; the ``monitored_barrier``
-shim (a patch in the one registry, ``_common.patch``) is installed by ``slipstream.enable`` and
-by the creation of a slipstream group, not by ``import slipstream``. ``record_tables`` records
-the tables as they are, so that the registry's undo (``slipstream.disable``) puts them back
-exactly.
+``register`` is idempotent and touches only torch's backend tables. The ``monitored_barrier``
+shim (a patch in ``_common.patch``'s registry) is installed by ``slipstream.enable`` and by the
+creation of a slipstream group, not by ``import slipstream``. ``record_tables`` records the
+tables so that the registry's undo (``slipstream.disable``) puts them back exactly.
 """
 
 from __future__ import annotations
@@ -43,8 +42,6 @@ def install_barrier_shim() -> None:
         patch(module, "monitored_barrier", _monitored_barrier(module.monitored_barrier), owner="backend")
 
 
-# -------------------------------------------------------------------- exact undo
-
 _TABLES = ("backend_list", "backend_type_map", "backend_capability", "_plugins", "default_device_backend_map")
 
 
@@ -57,7 +54,8 @@ def record_tables(owner: str) -> None:
 
 def _snapshot() -> dict:
     B = dist.Backend
-    return {"attr": B.__dict__.get(BACKEND.upper(), _MISSING), "tables": {name: _copy(getattr(B, name)) for name in _TABLES}}
+    return {"attr": B.__dict__.get(BACKEND.upper(), _MISSING),
+            "tables": {name: _copy(getattr(B, name)) for name in _TABLES}}
 
 
 def _restore(saved: dict) -> None:
@@ -81,8 +79,6 @@ def _restore(saved: dict) -> None:
 def _copy(table):
     return list(table) if isinstance(table, list) else dict(table)
 
-
-# -------------------------------------------------------------------- monitored_barrier
 
 def _monitored_barrier(original):
     """torch's ``monitored_barrier`` refuses any backend not named ``gloo`` before it looks at

@@ -1,9 +1,6 @@
 """The tuner: per-size choices measured on the real group (``tuner``), the plan it caches and
 every communicator of the pool runs (``plan``), the cost model where nothing was measured
-(``model``) and the measuring helpers (``measure``).
-
-    comm = tuned_communicator(group)    # collective: a Communicator running the cached plan
-    plan = Tuner(comm).tune()           # collective: the cache, else measure (<= budget_s), cache
+(``model``) and the measuring helpers (``measure``). Usage: ``tuner.py``'s docstring.
 """
 
 from .model import SIZE_CLASSES, model_plan

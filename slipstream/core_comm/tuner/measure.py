@@ -69,11 +69,3 @@ def _candidates(comm: Communicator, kind: str, inp: torch.Tensor,
     chunk = comm.config.chunk_bytes if algo == "hierarchical" and kind == "all_reduce" else None
     default = Choice(algo, chunk)
     return default, [c for c in others if c != default]
-
-
-def _has_transport() -> bool:
-    try:
-        from ..transport import tcp as transport  # noqa: F401
-    except ImportError:
-        return False
-    return True

@@ -20,9 +20,6 @@ FORMAT = 1  # bump when the cache layout or the meaning of an entry changes
 _ALGORITHMS = ("stock", "shm", "hierarchical")
 
 
-# ---------------------------------------------------------------------------- key
-
-
 @dataclass(frozen=True, kw_only=True)
 class TuneKey:
     """What a measured plan is valid for; a cached plan is used only under an equal key."""
@@ -53,9 +50,6 @@ class TuneKey:
         return f"w{self.world_size}-n{'x'.join(map(str, self.node_sizes))}-{self.paths or 'stock'}.json"
 
 
-# ---------------------------------------------------------------------------- buckets
-
-
 @dataclass(frozen=True, kw_only=True)
 class BucketSizes:
     """Bucket sizes for the training stacks, in bytes of the full buffer (allreduce's tensor,
@@ -78,9 +72,6 @@ class BucketSizes:
     def ddp_kwargs(self) -> dict:
         """Keyword arguments of ``DistributedDataParallel``."""
         return {"bucket_cap_mb": self.all_reduce_bytes / 2**20}
-
-
-# ---------------------------------------------------------------------------- plan
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -110,12 +101,10 @@ class Entry:
 
 
 class TunedPlan:
-    """Choices per (collective, dtype, size); a ``Plan`` for ``Communicator``.
-
-    ``choose`` takes the entry nearest in log scale to the call's size rounded down to a power
-    of two, of the call's dtype, or of the first dtype measured when the call's was not; None
-    (the communicator's own rules) when the plan has no entry for the collective.
-    """
+    """Choices per (collective, dtype, size); a ``Plan`` for ``Communicator``. ``choose`` takes
+    the entry nearest in log scale to the call's size rounded down to a power of two, of the
+    call's dtype, or of the first dtype measured when the call's was not; None (the
+    communicator's own rules) when the plan has no entry for the collective."""
 
     __slots__ = ("key", "entries", "connections", "connection_times_s", "buckets", "source", "_index")
 

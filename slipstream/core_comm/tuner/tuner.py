@@ -10,8 +10,7 @@ algorithm and the hierarchical chunk; topology-wide, the TCP connections per int
 Rank 0 of the group reads the cache and decides; every rank gets the plan from one broadcast,
 so ranks never disagree, whatever their disks hold. While measuring, every decision (skip a
 size for the budget, confirm a winner) is taken from times all-reduced (max) over the group,
-which every rank sees alike. A choice leaves the communicator's default only when it is
-faster by ``margin`` twice, in two separate rounds (see ``Tuner``).
+which every rank sees alike.
 """
 
 from __future__ import annotations
@@ -33,7 +32,7 @@ from ..communicator import Communicator
 from ..config import CommConfig
 from ..ops import KINDS
 from ..routing import Choice
-from .measure import _candidates, _Fixed, _has_transport, call_collective, collective_buffers
+from .measure import _candidates, _Fixed, call_collective, collective_buffers
 from .model import _MODEL_BUCKETS, SIZE_CLASSES, _model_choice, model_plan
 from .plan import FORMAT, BucketSizes, Entry, TunedPlan, TuneKey, _label
 
@@ -53,9 +52,6 @@ class TunerCacheWarning(UserWarning):
 def default_cache_dir(environ: Mapping[str, str] = os.environ) -> Path:
     """``SLIPSTREAM_TUNER_DIR``, else ``$XDG_CACHE_HOME/slipstream/tuner``, else ``~/.cache/...``."""
     return cache_dir("tuner", "SLIPSTREAM_TUNER_DIR", environ)
-
-
-# ---------------------------------------------------------------------------- cache
 
 
 def _read_cache(path: Path, key: TuneKey) -> dict | None:
@@ -121,22 +117,17 @@ def tuned_communicator(group: dist.ProcessGroup | None = None, *, config: CommCo
     return comm
 
 
-# ---------------------------------------------------------------------------- measuring
-
-
 class Tuner:
     """Measures a plan for ``comm`` on its real group within ``budget_s`` seconds; collective.
 
-    Connections first (hierarchical groups, ``budget_s >= 5``, the multi-connection transport
-    importable): an 8 MiB allreduce with each count. Then sizes smallest first, every
-    collective at each size. A step that the times so far predict would overrun the budget
-    is skipped, and that collective's larger sizes with it: their entries come from the cost
-    model. A step is one warm-up call per candidate, then ``reps`` rounds over the candidates
-    in alternating order, each call timed from a barrier; the slowest rank's median counts.
-    A candidate must beat the communicator's default by ``margin`` in that step and again in
-    a second round against the default alone, else the default stays: other jobs load these
-    cores too, and one lucky round must not make a choice slower than the default.
-    """
+    Connections first (hierarchical groups, ``budget_s >= 5``): an 8 MiB allreduce with each
+    count. Then sizes smallest first, every collective at each size; a step the times so far
+    predict would overrun the budget is skipped, with that collective's larger sizes (their
+    entries: the cost model's). A step is one warm-up call per candidate, then ``reps`` rounds
+    over them in alternating order, each call timed from a barrier; the slowest rank's median
+    counts. A candidate must beat the default by ``margin`` there and again in a second round
+    against the default alone, else the default stays: other jobs load these cores too, and one
+    lucky round must not pick something slower."""
 
     __slots__ = ("comm", "budget_s", "dtypes", "sizes", "kinds", "chunks", "connections",
                  "margin", "reps", "cache_dir",
@@ -194,8 +185,6 @@ class Tuner:
         data = _broadcast_from_rank0(plan.to_json() if comm.rank == 0 else None, comm.group)
         log.info("tuned %s in %.1f s (budget %.1f s)", key.filename(), self._elapsed, self.budget_s)
         return TunedPlan.from_json(data, source="measured")
-
-    # ------------------------------------------------------------ steps
 
     def _measure_dtype(self, comm: Communicator, key: TuneKey, dtype: torch.dtype) -> list[Entry]:
         name, entries, stopped = str(dtype).removeprefix("torch."), [], set()
@@ -292,8 +281,9 @@ class Tuner:
         """The communicator to measure the table with, its connections per peer, the times."""
         comm, cfg = self.comm, self.comm.config
         counts = sorted(set(self.connections) | {cfg.connections})
-        # 1 + reps 8 MiB allreduces per count: ~0.5 s per count over 1 Gbit/s (84 ms each)
-        if key.paths != "hierarchical" or len(counts) < 2 or self.budget_s < 5 or not _has_transport():
+        # 1 + reps 8 MiB allreduces per count: ~0.5 s per count over 1 Gbit/s (84 ms each). A
+        # hierarchical group is on Linux, where the multi-connection transport always imports.
+        if key.paths != "hierarchical" or len(counts) < 2 or self.budget_s < 5:
             return comm, cfg.connections, {}
         comms = {k: comm if k == cfg.connections else
                  Communicator(comm.group, config=replace(cfg, connections=k), topology=comm.topology)
