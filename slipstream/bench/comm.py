@@ -37,8 +37,8 @@ import time
 import torch
 
 from slipstream.cluster import ClusterSpec, parse_rate
-from slipstream.cluster.worker import launch_worker
-from .report import emit, format_size, machine, machine_line, parse_size, table
+from slipstream.cluster.worker import add_cluster_options, cluster_spec, flags, launch_worker
+from .report import emit, format_size, page, parse_size, table
 
 __all__ = ["add_arguments", "run"]
 
@@ -51,9 +51,7 @@ _MEMORY_BYTES = {"allreduce": lambda n: 2 * n, "allgather": lambda n: n + 1,
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--nodes", type=int, default=1, help="emulated nodes (default 1; more need root)")
-    parser.add_argument("--ranks-per-node", type=int, default=4, help="ranks per node (default 4)")
-    parser.add_argument("--link", help="tc rate of each node's link, e.g. 1gbit (needed for --nodes > 1)")
+    add_cluster_options(parser, ranks_per_node=4)
     parser.add_argument("--pin-nodes", action="store_true",
                         help="run each emulated node's ranks on their own share of the CPUs (taskset)")
     parser.add_argument("--sizes", default="4K,64K,1M,16M", help="buffer sizes (default 4K,64K,1M,16M)")
@@ -69,8 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _validate(args: argparse.Namespace) -> tuple[ClusterSpec, list[int], list[str], list[str]]:
-    if args.nodes > 1 and not args.link:
-        raise SystemExit("--nodes > 1 needs --link (e.g. 1gbit): the bound is the link's rate")
+    spec = cluster_spec(args, pin_nodes=args.pin_nodes)  # with --nodes > 1 the bound is the link's rate
     if args.iters < 1 or args.warmup < 0:
         raise SystemExit("--iters must be >= 1 and --warmup >= 0")
     if not isinstance(getattr(torch, args.dtype, None), torch.dtype):
@@ -86,8 +83,6 @@ def _validate(args: argparse.Namespace) -> tuple[ClusterSpec, list[int], list[st
         except ImportError as e:
             raise SystemExit(f"slipstream's Communicator is not importable ({e}); use --impls stock") from e
     try:
-        spec = ClusterSpec(nodes=args.nodes, ranks_per_node=args.ranks_per_node, link=args.link,
-                           pin_nodes=getattr(args, "pin_nodes", False))
         sizes = [parse_size(s) for s in args.sizes.split(",")]
     except ValueError as e:
         raise SystemExit(str(e)) from e
@@ -98,8 +93,7 @@ def memory_bandwidth(nbytes: int = 512 << 20, repeats: int = 10) -> float:
     """Copy bandwidth in bytes/s (bytes read + bytes written) on all cores, best of ``repeats``.
 
     512 MiB: past the last-level cache (32 MiB on the EPYC of benchmarks/results, 300 MiB on the
-    Xeon it first ran on), so this
-    is DRAM; buffers that fit in cache can beat the bound it gives.
+    Xeon it first ran on), so this is DRAM; buffers that fit in cache can beat the bound it gives.
     """
     threads = torch.get_num_threads()
     torch.set_num_threads(os.cpu_count() or 1)
@@ -114,14 +108,6 @@ def memory_bandwidth(nbytes: int = 512 << 20, repeats: int = 10) -> float:
     finally:
         torch.set_num_threads(threads)
     return 2 * nbytes / best
-
-
-def _command(args: argparse.Namespace) -> str:
-    parts = ["slipstream bench comm", f"--nodes {args.nodes}", f"--ranks-per-node {args.ranks_per_node}"]
-    parts += [f"--link {args.link}"] if args.nodes > 1 else []
-    parts += [f"--sizes {args.sizes}", f"--ops {args.ops}", f"--impls {args.impls}",
-              f"--iters {args.iters}", f"--warmup {args.warmup}", f"--dtype {args.dtype}"]
-    return " ".join(parts)
 
 
 def _records(raw: dict, spec: ClusterSpec, mem_bw: float, args: argparse.Namespace) -> list[dict]:
@@ -144,13 +130,13 @@ def _records(raw: dict, spec: ClusterSpec, mem_bw: float, args: argparse.Namespa
     return out
 
 
-def _table(records: list[dict]) -> str:
+def _table(records: list[dict]) -> list[str]:
     rows = [[r["op"], format_size(r["size_bytes"]), f"{r['impl']} ({r['algorithm']})", f"{r['time_s'] * 1e6:.1f}",
              f"{r['algbw_gbps']:.3f}", f"{r['busbw_gbps']:.3f}", f"{r['bound_s'] * 1e6:.1f}",
              f"{r['bound_s'] / r['time_s']:.0%}", "" if r["impl"] == "stock" else f"{r['vs_stock']:.2f}x"]
             for r in records]
-    return "\n".join(table(["op", "size", "impl", "time (us)", "algbw (GB/s)", "busbw (GB/s)", "bound (us)",
-                            "of bound", "vs stock"], "lrlrrrrrr", rows))
+    return table(["op", "size", "impl", "time (us)", "algbw (GB/s)", "busbw (GB/s)", "bound (us)", "of bound",
+                  "vs stock"], "lrlrrrrrr", rows)
 
 
 def _peer_line(ds) -> str | None:
@@ -175,29 +161,22 @@ def _deepspeed_peer(impls: list[str], args: argparse.Namespace, spec: ClusterSpe
     return ds
 
 
-def _report(records: list[dict], m: dict, command: str, spec: ClusterSpec, mem_bw: float,
-            load: tuple[float, ...], peer: str | None = None) -> str:
+def _notes(spec: ClusterSpec, dtype: str, mem_bw: float, load: float, peer: str | None) -> list[str]:
     where = (f"{spec.nodes} emulated nodes x {spec.ranks_per_node} ranks, link {spec.link} each way"
              if spec.nodes > 1 else f"1 node x {spec.ranks_per_node} ranks (loopback, no emulation)")
     bound = ("bytes across each node's link / link rate" if spec.nodes > 1
              else f"least memory traffic / copy bandwidth {mem_bw / 1e9:.1f} GB/s")
-    return "\n".join([
-        machine_line(m),
-        f"command: {command}",
-        f"load average (1 min) at start / end: {load[0]:.1f} / {os.getloadavg()[0]:.1f} "
-        f"(other work on the machine slows every implementation)",
-        f"layout: {where}; dtype {records[0]['dtype']}; time = median of the slowest rank; "
-        f"vs stock = stock time / this implementation's time; bound = {bound}",
-        *([peer] if peer else []),
-        "",
-        _table(records),
-        "",
-    ])
+    return [f"load average (1 min) at start / end: {load:.1f} / {os.getloadavg()[0]:.1f} "
+            "(other work on the machine slows every implementation)",
+            f"layout: {where}; dtype {dtype}; time = median of the slowest rank; "
+            f"vs stock = stock time / this implementation's time; bound = {bound}", *([peer] if peer else [])]
 
 
 def run(args: argparse.Namespace) -> int:
     spec, sizes, ops, impls = _validate(args)
-    m, command, load = machine(), _command(args), os.getloadavg()
+    load = os.getloadavg()[0]
+    command = " ".join(["slipstream bench comm", *flags(args, "nodes", "ranks_per_node", "link", "sizes", "ops",
+                                                         "impls", "iters", "warmup", "dtype")])
     mem_bw = memory_bandwidth()
     sys.stdout.write(f"{command}\nmemory copy bandwidth {mem_bw / 1e9:.1f} GB/s\n")
     sys.stdout.flush()
@@ -207,12 +186,11 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write(peer + "\n")
         sys.stdout.flush()
     argv = ["--ops", ",".join(ops), "--sizes", ",".join(map(str, sizes)), "--impls", ",".join(impls),
-            "--dtype", args.dtype, "--iters", str(args.iters), "--warmup", str(args.warmup)]
+            *flags(args, "dtype", "iters", "warmup")]
     raw = launch_worker("slipstream.bench.workers.comm", argv, spec, timeout=args.timeout)
     records = _records(raw, spec, mem_bw, args)
     for r in records:
         if r["impl"] == "deepspeed":
             r["setup_s"] = ds.setup_s  # import + build or load, once, outside time_s
-    report = _report(records, m, command, spec, mem_bw, load, peer)
-    emit(report, records, args)
+    emit(page(command, _notes(spec, args.dtype, mem_bw, load, peer), _table(records)), records, args)
     return 0

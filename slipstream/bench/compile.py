@@ -34,7 +34,8 @@ import tempfile
 
 import torch
 
-from .report import emit, machine, machine_line, table
+from slipstream.cluster.worker import flags
+from .report import emit, page, table
 from .workers.compile import BERT_SIZES, WARM_STEPS, WORKLOADS
 
 __all__ = ["GOALS", "add_arguments", "run"]
@@ -72,16 +73,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _command(args: argparse.Namespace) -> str:
-    parts = ["slipstream bench compile", f"--models {args.models}", f"--device {args.device}", f"--steps {args.steps}",
-             f"--eager-steps {args.eager_steps}", f"--batch-size {args.batch_size}", f"--budget-s {args.budget_s:g}"]
-    parts += [f"--strategies {args.strategies}"] if args.strategies else []
+    parts = ["slipstream bench compile", *flags(args, "models", "device", "steps", "eager_steps", "batch_size"),
+             f"--budget-s {args.budget_s:g}", *flags(args, "strategies")]
     models = args.models.split(",")
-    if "resnet50" in models:
-        parts += [f"--image-size {args.image_size}", f"--resnet-width {args.resnet_width}"]
-    if "bert" in models:
-        parts += [f"--bert-size {args.bert_size}", f"--seq-len {args.seq_len}"]
-    if "llama" in models:
-        parts += [f"--llama-model {args.llama_model}"] + ([f"--data {args.data}"] if args.data else [])
+    for model, names in (("resnet50", ("image_size", "resnet_width")), ("bert", ("bert_size", "seq_len")),
+                         ("llama", ("llama_model", "data"))):
+        parts += flags(args, *names) if model in models else []
     return " ".join(parts)
 
 
@@ -179,16 +176,15 @@ def _goals(records: list[dict], device: str) -> str:
 def _report(records: list[dict], devices: list[str], command: str) -> str:
     from transformers import __version__ as transformers_version
 
-    lines = [machine_line(machine(), f"transformers {transformers_version}"), f"command: {command}",
-             "cold compiles: each model in a fresh process with an empty TORCHINDUCTOR_CACHE_DIR; "
+    notes = ["cold compiles: each model in a fresh process with an empty TORCHINDUCTOR_CACHE_DIR; "
              "CompileConfig(cache=False) and an empty SLIPSTREAM_COMPILE_DIR (no decision reused)",
              "steps/s: medians of forward + backward + optimizer step; chosen: steps after the choice, taking turns "
              "with eager's on the same batches; ratio: median of eager / chosen step time over those pairs; "
-             "overhead: search time beyond its steps at the chosen strategy's speed", ""]
-    lines += [f"- {r['model']} ({r['device']}): " + (f"{r['description']}; {r['parameters'] / 1e6:.1f} M parameters; "
-                                                    f"batch {r['batch']}; {r['torch_threads']} torch threads"
-                                                    if "error" not in r else "FAILED")
-              for r in records]
+             "overhead: search time beyond its steps at the chosen strategy's speed"]
+    lines = [f"- {r['model']} ({r['device']}): " + (f"{r['description']}; {r['parameters'] / 1e6:.1f} M parameters; "
+                                                   f"batch {r['batch']}; {r['torch_threads']} torch threads"
+                                                   if "error" not in r else "FAILED")
+             for r in records]
     lines += ["", *_rows(records), "", *_candidate_rows(records), ""]
     lines += [_goals(records, d) for d in devices]
     if "cuda" not in devices:
@@ -196,7 +192,7 @@ def _report(records: list[dict], devices: list[str], command: str) -> str:
                      else "GPU rows: skipped (--device cpu)")
     lines += [f"\n{r['model']} ({r['device']}) failed:\n{r['error']}" for r in records if "error" in r]
     lines.append(f"1-min load average at the end: {os.getloadavg()[0]:.1f}")
-    return "\n".join(lines) + "\n"
+    return page(command, notes, lines, f"transformers {transformers_version}")
 
 
 def _devices(choice: str) -> list[str]:

@@ -20,8 +20,8 @@ import statistics
 import sys
 
 from slipstream.cluster import ClusterSpec, parse_rate
-from slipstream.cluster.worker import launch_worker
-from .report import emit, machine, machine_line, table
+from slipstream.cluster.worker import flags, launch_worker
+from .report import emit, page, table
 
 __all__ = ["add_arguments", "parse_layout", "run"]
 
@@ -50,11 +50,6 @@ def parse_layout(text: str) -> ClusterSpec:
     return ClusterSpec(nodes=int(m.group(1)), ranks_per_node=int(m.group(2)), link=m.group(3))
 
 
-def _command(args: argparse.Namespace) -> str:
-    return (f"slipstream bench ddp --layouts {args.layouts} --width {args.width} --depth {args.depth} "
-            f"--batch {args.batch} --steps {args.steps} --warmup {args.warmup} --bucket-mb {args.bucket_mb}")
-
-
 def _record(spec: ClusterSpec, layout: str, raw: dict) -> dict:
     med = {b: statistics.median(t) for b, t in raw["times_s"].items()}
     grad_bytes = raw["params"] * 4
@@ -66,7 +61,7 @@ def _record(spec: ClusterSpec, layout: str, raw: dict) -> dict:
                 max_abs_weight_diff=raw["max_abs_weight_diff"], times_s=raw["times_s"])
 
 
-def _table(records: list[dict]) -> str:
+def _table(records: list[dict]) -> list[str]:
     rows = []
     for r in records:
         bound = f"{r['link_bound_s'] * 1e3:.0f}" if r["link_bound_s"] else "-"
@@ -74,19 +69,8 @@ def _table(records: list[dict]) -> str:
         rows.append([r["layout"], f"{r['params'] / 1e6:.1f} M", f"{r['steps_per_s']['gloo']:.2f}",
                      f"{r['steps_per_s']['slipstream']:.2f}", f"{r['ratio']:.2f}x", bound,
                      f"{same} (max diff {r['max_abs_weight_diff']:.1e})"])
-    return "\n".join(table(["layout", "params", "gloo steps/s", "slipstream steps/s", "ratio", "link bound (ms)",
-                            "weights"], "lrrrrrl", rows))
-
-
-def _report(records: list[dict], m: dict, command: str) -> str:
-    return "\n".join([
-        machine_line(m),
-        f"command: {command}",
-        "steps/s from the median step time of the slowest rank; ratio = slipstream / gloo steps/s",
-        "",
-        _table(records),
-        "",
-    ])
+    return table(["layout", "params", "gloo steps/s", "slipstream steps/s", "ratio", "link bound (ms)", "weights"],
+                 "lrrrrrl", rows)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -96,12 +80,11 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(str(e)) from e
     if args.steps < 1 or args.warmup < 0:
         raise SystemExit("--steps must be >= 1 and --warmup >= 0")
-    command = _command(args)
+    argv = flags(args, "width", "depth", "batch", "steps", "warmup", "bucket_mb")
+    command = " ".join(["slipstream bench ddp", *flags(args, "layouts"), *argv])
     sys.stdout.write(command + "\n")
-    argv = ["--width", str(args.width), "--depth", str(args.depth), "--batch", str(args.batch),
-            "--steps", str(args.steps), "--warmup", str(args.warmup), "--bucket-mb", str(args.bucket_mb)]
     records = [_record(spec, text, launch_worker("slipstream.bench.workers.ddp", argv, spec, timeout=args.timeout))
                for text, spec in layouts]
-    report = _report(records, machine(), command)
-    emit(report, records, args)
+    notes = ["steps/s from the median step time of the slowest rank; ratio = slipstream / gloo steps/s"]
+    emit(page(command, notes, _table(records)), records, args)
     return 0 if all(r["weights_allclose"] for r in records) else 1

@@ -20,8 +20,8 @@ import time
 
 import torch
 
-from slipstream.cluster.worker import turns
-from .report import emit, machine, machine_line, table
+from slipstream.cluster.worker import flags, turns
+from .report import emit, page, table
 
 __all__ = ["add_arguments", "run"]
 
@@ -58,10 +58,9 @@ def _collate_fn(ms: float):
     reps = _calibrate(once, ms)
 
     def collate(i: int):
-        out = None
-        for _ in range(reps):
-            out = once()
-        return out
+        for _ in range(reps - 1):
+            once()
+        return once()
 
     return collate
 
@@ -106,8 +105,8 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("--steps and --repeats must be >= 1, --step-ms > 0, --collate-ms >= 0")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    command = (f"slipstream bench loader --steps {args.steps} --step-ms {args.step_ms} --collate-ms "
-               f"{args.collate_ms} --repeats {args.repeats}" + (f" --threads {args.threads}" if args.threads else ""))
+    names = ("steps", "step_ms", "collate_ms", "repeats", "threads")
+    command = " ".join(["slipstream bench loader", *flags(args, *names)])
     sys.stdout.write(command + "\n")
     step, collate = _step_fn(args.step_ms), _collate_fn(args.collate_ms)
     kinds = ("plain", "thread", "process")
@@ -127,13 +126,12 @@ def run(args: argparse.Namespace) -> int:
               "threads": torch.get_num_threads(), "rounds": rounds,
               "hidden_median": statistics.median(r["hidden"] for r in rounds),
               "hidden_process_median": statistics.median(r["hidden_process"] for r in rounds)}
-    lines = [machine_line(machine()), f"command: {command}",
-             f"torch threads for the step: {record['threads']}; hidden = (plain - loop) / collation time", ""]
     rows = [[i, *(f"{r[k]:.3f}" for k in ("plain_s", "async_s", "process_s", "collate_s")),
              f"{100 * r['hidden']:.0f}%", f"{100 * r['hidden_process']:.0f}%"] for i, r in enumerate(rounds, 1)]
-    lines += table(["round", "plain (s)", "thread (s)", "process (s)", "collation (s)", "hidden: thread",
-                    "hidden: process"], "rrrrrrr", rows)
-    lines += ["", f"median hidden: {100 * record['hidden_median']:.0f}% of the collation time with a thread, "
-                  f"{100 * record['hidden_process_median']:.0f}% with a process", ""]
-    emit("\n".join(lines), record, args)
+    body = table(["round", "plain (s)", "thread (s)", "process (s)", "collation (s)", "hidden: thread",
+                  "hidden: process"], "rrrrrrr", rows)
+    body += ["", f"median hidden: {100 * record['hidden_median']:.0f}% of the collation time with a thread, "
+                 f"{100 * record['hidden_process_median']:.0f}% with a process"]
+    notes = [f"torch threads for the step: {record['threads']}; hidden = (plain - loop) / collation time"]
+    emit(page(command, notes, body), record, args)
     return 0

@@ -18,9 +18,9 @@ import argparse
 import statistics
 import sys
 
-from slipstream.cluster.worker import launch_worker
+from slipstream.cluster.worker import flags, launch_worker
 from .ddp import parse_layout
-from .report import emit, machine, machine_line, table
+from .report import emit, page, table, version
 
 __all__ = ["JOBS", "add_arguments", "run"]
 
@@ -43,13 +43,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=1800, help="seconds before every rank is killed")
     parser.add_argument("--json", help="write the records (a JSON list) here")
     parser.add_argument("--markdown", help="write the report (machine, command, table) here")
-
-
-def _command(args: argparse.Namespace) -> str:
-    data = f" --data {args.data}" if args.data else f" --samples {args.samples}"
-    return (f"slipstream bench megatron --layout {args.layout} --tp {args.tp}{data} --max-length {args.max_length} "
-            f"--batch {args.batch} --steps {args.steps} --warmup {args.warmup} --hidden {args.hidden} "
-            f"--layers {args.layers} --heads {args.heads}")
 
 
 def _tps(text: str, per_node: int) -> list[int]:
@@ -76,45 +69,20 @@ def _record(layout: str, jobs: list[dict]) -> dict:
     return out
 
 
-def _name(job: dict) -> str:
-    return f"{job['backend']} {'packed' if job['packed'] else 'padded'}"
-
-
-def _table(records: list[dict]) -> str:
-    rows = [[r["layout"], f"{r['tp']} x {r['dp']}", f"{r['params'] / 1e6:.1f} M", _name(j), f"{j['step_s']:.3f}",
+def _table(records: list[dict]) -> list[str]:
+    rows = [[r["layout"], f"{r['tp']} x {r['dp']}", f"{r['params'] / 1e6:.1f} M",
+             f"{j['backend']} {'packed' if j['packed'] else 'padded'}", f"{j['step_s']:.3f}",
              f"{j['ratio']:.2f}x", f"{j['max_rel_loss_diff']:.1e}",
              ", ".join(f"{op}: {'/'.join(sorted(p))}" for op, p in sorted(j["comm_paths"].items())) or "-"]
             for r in records for j in r["jobs"]]
-    return "\n".join(table(["layout", "TP x DP", "params", "job", "step (s)", "ratio", "loss diff", "fast paths"],
-                           "llrlrrrl", rows))
-
-
-def _report(records: list[dict], m: dict, command: str) -> str:
-    from .workers.megatron import CPU_WORKAROUNDS
-
-    return "\n".join([
-        machine_line(m, f"megatron-core {_megatron_version()}"),
-        f"command: {command}",
-        "step: median step time of the slowest rank; ratio = gloo padded step / this step; loss diff: "
-        "largest per-step relative difference from gloo padded",
-        "worked around in the ranks (megatron-core on CPU): " + "; ".join(CPU_WORKAROUNDS),
-        "",
-        _table(records),
-        "",
-    ])
-
-
-def _megatron_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("megatron-core")
-    except PackageNotFoundError:
-        return "not installed"
+    return table(["layout", "TP x DP", "params", "job", "step (s)", "ratio", "loss diff", "fast paths"], "llrlrrrl",
+                 rows)
 
 
 def run(args: argparse.Namespace) -> int:
     import importlib.util
+
+    from .workers.megatron import CPU_WORKAROUNDS
 
     if importlib.util.find_spec("megatron.core") is None:
         raise SystemExit("slipstream bench megatron needs megatron-core: pip install 'slipstream[megatron]'")
@@ -125,16 +93,19 @@ def run(args: argparse.Namespace) -> int:
     tps = _tps(args.tp, spec.ranks_per_node)
     if args.steps < 1 or args.warmup < 0:
         raise SystemExit("--steps must be >= 1 and --warmup >= 0")
-    command = _command(args)
+    model = flags(args, "max_length", "batch", "steps", "warmup", "hidden", "layers", "heads")
+    data = flags(args, "data") or flags(args, "samples")
+    command = " ".join(["slipstream bench megatron", *flags(args, "layout", "tp"), *data, *model])
     sys.stdout.write(command + "\n")
     records = []
     for tp in tps:
-        argv = ["--tp", str(tp), "--max-length", str(args.max_length), "--batch", str(args.batch),
-                "--steps", str(args.steps), "--warmup", str(args.warmup), "--hidden", str(args.hidden),
-                "--layers", str(args.layers), "--heads", str(args.heads), "--samples", str(args.samples)]
-        argv += ["--data", args.data] if args.data else []
+        argv = ["--tp", str(tp), *model, *flags(args, "samples", "data")]
         jobs = [launch_worker(WORKER, [*argv, "--backend", backend, *["--packed"] * packed], spec, timeout=args.timeout)
                 for backend, packed in JOBS]
         records.append(_record(args.layout, jobs))
-    emit(_report(records, machine(), command), records, args)
+    notes = ["step: median step time of the slowest rank; ratio = gloo padded step / this step; loss diff: "
+             "largest per-step relative difference from gloo padded",
+             "worked around in the ranks (megatron-core on CPU): " + "; ".join(CPU_WORKAROUNDS)]
+    extra = f"megatron-core {version('megatron-core') or 'not installed'}"
+    emit(page(command, notes, _table(records), extra), records, args)
     return 0

@@ -9,9 +9,10 @@ import os
 import platform
 import subprocess
 import sys
+from importlib import metadata
 from typing import Any, Iterable, Sequence
 
-__all__ = ["cpu_model", "emit", "format_size", "machine", "machine_line", "parse_size", "table"]
+__all__ = ["cpu_model", "emit", "format_size", "machine", "page", "parse_size", "table", "version"]
 
 _UNIT = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
@@ -36,10 +37,13 @@ def machine() -> dict[str, Any]:
             "kernel": platform.release(), "python": platform.python_version(), "torch": torch.__version__}
 
 
-def machine_line(m: dict, extra: str = "") -> str:
-    """The report's first line: the machine (:func:`machine`) and the versions."""
-    return (f"machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB; kernel {m['kernel']}, "
+def page(command: str, notes: Sequence[str], body: Sequence[str], extra: str = "") -> str:
+    """A report: the machine and the versions (:func:`machine`, then ``extra``), the command,
+    ``notes``, a blank line and the lines of ``body``."""
+    m = machine()
+    head = (f"machine: {m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB; kernel {m['kernel']}, "
             f"Python {m['python']}, torch {m['torch']}" + (f", {extra}" if extra else ""))
+    return "\n".join([head, f"command: {command}", *notes, "", *body, ""])
 
 
 def parse_size(text: str) -> int:
@@ -82,3 +86,12 @@ def emit(report: str, data, args, *, indent: int = 1) -> None:
     if getattr(args, "markdown", None):
         with open(args.markdown, "w") as f:
             f.write(report)
+
+
+def version(package: str) -> str | None:
+    """The installed version of ``package``, read from its metadata without importing it (None:
+    not installed)."""
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return None

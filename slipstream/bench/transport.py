@@ -22,8 +22,8 @@ import statistics
 import sys
 
 from slipstream.cluster import ClusterSpec, parse_rate
-from slipstream.cluster.worker import launch_worker
-from .report import emit, format_size, machine, machine_line, parse_size, table
+from slipstream.cluster.worker import flags, launch_worker
+from .report import emit, format_size, page, parse_size, table
 
 __all__ = ["add_arguments", "run"]
 
@@ -45,7 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--markdown", help="write the report (machine, command, table) here")
 
 
-def _validate(args: argparse.Namespace) -> tuple[ClusterSpec, int, list[int]]:
+def _validate(args: argparse.Namespace) -> tuple[ClusterSpec, int]:
     if args.nodes < 2:
         raise SystemExit("--nodes must be >= 2: the transport joins nodes")
     if args.iters < 1 or args.warmup < 0:
@@ -64,14 +64,7 @@ def _validate(args: argparse.Namespace) -> tuple[ClusterSpec, int, list[int]]:
         raise SystemExit(f"the transports listen on ports {used.start}-{used.stop - 1}, outside the capped "
                          f"range {spec.capped_ports.start}-{spec.capped_ports.stop - 1}: lower --port-base, "
                          "--connections or the rank count")
-    return spec, size, counts
-
-
-def _command(args: argparse.Namespace) -> str:
-    return (f"slipstream bench transport --nodes {args.nodes} --ranks-per-node {args.ranks_per_node} "
-            f"--link {args.link} --per-connection-rate {args.per_connection_rate} --size {args.size} "
-            f"--connections {args.connections} --iters {args.iters} --warmup {args.warmup} "
-            f"--port-base {args.port_base}")
+    return spec, size
 
 
 def _records(raw: dict, spec: ClusterSpec) -> list[dict]:
@@ -89,40 +82,27 @@ def _records(raw: dict, spec: ClusterSpec) -> list[dict]:
     return out
 
 
-def _table(records: list[dict]) -> str:
+def _table(records: list[dict]) -> list[str]:
     base = next((r["time_s"] for r in records if r["connections"] == 1), None)
     rows = [["gloo (uncapped ports)" if r["impl"] == "gloo" else f"MultiConnInter {r['impl']}",
              f"{r['time_s'] * 1e3:.4g}", f"{r['link_gbitps']:.3f}", f"{r['bound_s'] * 1e3:.4g}",
              f"{r['bound_s'] / r['time_s']:.0%}", f"{base / r['time_s']:.2f}x" if base else ""] for r in records]
-    return "\n".join(table(["impl", "time (ms)", "on the link (Gbit/s)", "bound (ms)", "of bound", "vs K=1"],
-                           "lrrrrr", rows))
-
-
-def _report(records: list[dict], m: dict, command: str, spec: ClusterSpec) -> str:
-    r = records[0]
-    return "\n".join([
-        machine_line(m),
-        f"command: {command}",
-        f"layout: {spec.nodes} emulated nodes x {spec.ranks_per_node} ranks, link {spec.link} each way, "
-        f"{spec.per_connection_rate} per connection on capped ports; allreduce of {format_size(r['size_bytes'])} "
-        "fp32 per rank among its peers on the other nodes; time = median of the slowest rank; "
-        "on the link = bytes out of each node / time; bound = those bytes / the rate the connections can get",
-        "",
-        _table(records),
-        "",
-    ])
+    return table(["impl", "time (ms)", "on the link (Gbit/s)", "bound (ms)", "of bound", "vs K=1"], "lrrrrr", rows)
 
 
 def run(args: argparse.Namespace) -> int:
-    spec, size, counts = _validate(args)
-    m, command = machine(), _command(args)
+    spec, size = _validate(args)
+    argv = flags(args, "connections", "iters", "warmup", "port_base")
+    command = " ".join(["slipstream bench transport", *flags(args, "nodes", "ranks_per_node", "link",
+                                                              "per_connection_rate", "size"), *argv])
     sys.stdout.write(command + "\n")
     sys.stdout.flush()
-    argv = ["--size", str(size), "--connections", ",".join(map(str, counts)), "--iters", str(args.iters),
-            "--warmup", str(args.warmup), "--port-base", str(args.port_base)]
-    raw = launch_worker("slipstream.bench.workers.transport", argv, spec, env={"OMP_NUM_THREADS": "1"},
-                        timeout=args.timeout)
+    raw = launch_worker("slipstream.bench.workers.transport", ["--size", str(size), *argv], spec,
+                        env={"OMP_NUM_THREADS": "1"}, timeout=args.timeout)
     records = _records(raw, spec)
-    report = _report(records, m, command, spec)
-    emit(report, records, args)
+    notes = [f"layout: {spec.nodes} emulated nodes x {spec.ranks_per_node} ranks, link {spec.link} each way, "
+             f"{spec.per_connection_rate} per connection on capped ports; allreduce of {format_size(size)} "
+             "fp32 per rank among its peers on the other nodes; time = median of the slowest rank; "
+             "on the link = bytes out of each node / time; bound = those bytes / the rate the connections can get"]
+    emit(page(command, notes, _table(records)), records, args)
     return 0

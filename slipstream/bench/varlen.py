@@ -50,12 +50,11 @@ import os
 import platform
 import statistics
 import sys
-import time
 from typing import Any
 
 import torch
 
-from slipstream.cluster.worker import turns
+from slipstream.cluster.worker import timed_step, turns
 from slipstream.core_compile import FlattenCollator, VarlenConfig, apply_varlen
 from slipstream.recipes.alpaca import alpaca_samples, pad_batch
 
@@ -85,36 +84,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--markdown", help="write the results table as markdown here")
 
 
-def _data(args) -> tuple[list[dict], Any]:
-    from slipstream.recipes import load_tokenizer
-
-    tokenizer = load_tokenizer(args.tokenizer, vocab_size=args.vocab_size)
-    samples, _ = alpaca_samples(tokenizer, data=args.data, seed=args.seed, max_length=args.max_length, shuffle=True)
-    return samples, tokenizer
-
-
 def _to(batch: dict, device: torch.device) -> dict:
     return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _step(model, optimizer, batch, device, repeats: int) -> tuple[float, float]:
-    """Wall and process-CPU seconds of one forward + backward + optimizer step: the fastest of
-    ``repeats`` runs (contention from other processes only ever adds time)."""
-    best = (float("inf"), float("inf"))
-    for _ in range(repeats):
-        _sync(device)
-        start, cpu = time.perf_counter(), time.process_time()
-        optimizer.zero_grad(set_to_none=True)
-        model(**batch).loss.backward()
-        optimizer.step()
-        _sync(device)
-        best = min(best, (time.perf_counter() - start, time.process_time() - cpu))
-    return best
 
 
 def _saved_activation_bytes(model, batch) -> tuple[torch.Tensor, int]:
@@ -178,18 +149,9 @@ def _exactness(models: dict, inputs: dict, device) -> dict[str, Any]:
 def _environment(device: torch.device, dtype: torch.dtype, threads: int) -> dict[str, Any]:
     import transformers
 
-    cpu = cpu_model()
-    env = {
-        "cpu": cpu,
-        "cores": torch.multiprocessing.cpu_count(),
-        "torch_threads": threads,
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "device": str(device),
-        "dtype": str(dtype).removeprefix("torch."),
-        "load_average_1min_at_end": os.getloadavg()[0],
-    }
+    env = dict(cpu=cpu_model(), cores=torch.multiprocessing.cpu_count(), torch_threads=threads,
+               python=platform.python_version(), torch=torch.__version__, transformers=transformers.__version__,
+               device=str(device), dtype=str(dtype).removeprefix("torch."), load_average_1min_at_end=os.getloadavg()[0])
     if device.type == "cuda":
         env["gpu"] = torch.cuda.get_device_name(device)
     return env
@@ -229,7 +191,7 @@ def _time_steps(args, models, inputs, device) -> tuple[dict[str, list[float]], d
     cpu_times: dict[str, list[float]] = {name: [] for name in CASES}
     for i in range(1, len(inputs["padded"])):
         for name in turns(CASES, i):
-            seconds, cpu = _step(models[name], opts[name], inputs[name][i], device, args.repeats)
+            seconds, cpu = timed_step(lambda: models[name](**inputs[name][i]).loss, opts[name], device, args.repeats)
             if i > args.warmup:
                 times[name].append(seconds)
                 cpu_times[name].append(cpu)
@@ -259,14 +221,15 @@ def _case_summary(name, times, cpu_times, real, pad) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from slipstream.recipes import count_parameters
+    from slipstream.recipes import count_parameters, load_tokenizer
 
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
     use_bf16 = args.dtype == "bf16" or (args.dtype == "auto" and device.type == "cuda")
     dtype = torch.bfloat16 if use_bf16 else torch.float32
-    samples, tokenizer = _data(args)
+    tokenizer = load_tokenizer(args.tokenizer, vocab_size=args.vocab_size)
+    samples, _ = alpaca_samples(tokenizer, data=args.data, seed=args.seed, max_length=args.max_length, shuffle=True)
     batches, inputs = _batches(args, samples, tokenizer, device)
     models = _models(args, max(args.vocab_size, len(tokenizer)), tokenizer.pad_token_id, device, dtype)
     exact = _exactness(models, {name: inputs[name][0] for name in CASES}, device)
@@ -277,26 +240,19 @@ def run(args: argparse.Namespace) -> int:
     pad = [len(b) * max(len(s["input_ids"]) for s in b) for b in timed]
     cases = {name: _case_summary(name, times, cpu_times, real, pad) for name in CASES}
     ours = cases["varlen"]["vs_padded"]
+    argv = sys.argv[3:] if sys.argv[1:3] == ["bench", "varlen"] else sys.argv[1:]
     result = {
-        "command": "slipstream bench varlen " + " ".join(sys.argv[3:] if sys.argv[1:3] == ["bench", "varlen"] else sys.argv[1:]),
-        "environment": _environment(device, dtype, torch.get_num_threads()),
-        "model": args.model,
+        "command": "slipstream bench varlen " + " ".join(argv),
+        "environment": _environment(device, dtype, torch.get_num_threads()), "model": args.model,
         "attn_implementation": models["padded"].config._attn_implementation,
-        "parameters": count_parameters(models["padded"]),
-        "batch_size": args.batch_size,
-        "steps": args.steps,
-        "real_tokens_per_step_median": statistics.median(real),
-        "padded_tokens_per_step_median": statistics.median(pad),
+        "parameters": count_parameters(models["padded"]), "batch_size": args.batch_size, "steps": args.steps,
+        "real_tokens_per_step_median": statistics.median(real), "padded_tokens_per_step_median": statistics.median(pad),
         "ideal_ratio": sum(pad) / sum(real),
         # the headline, varlen vs padded; every case's ratios are under cases.<name>.vs_padded
-        "achieved_ratio": ours["time_ratio"],
-        "achieved_ratio_median_paired": ours["time_ratio_median_paired"],
-        "achieved_ratio_cpu_time": ours["cpu_time_ratio"],
-        "fraction_of_ideal": ours["fraction_of_ideal"],
-        "fraction_of_ideal_median_paired": ours["fraction_of_ideal_median_paired"],
-        "repeats": args.repeats,
-        "cases": cases,
-        "exactness": exact,
+        "achieved_ratio": ours["time_ratio"], "achieved_ratio_median_paired": ours["time_ratio_median_paired"],
+        "achieved_ratio_cpu_time": ours["cpu_time_ratio"], "fraction_of_ideal": ours["fraction_of_ideal"],
+        "fraction_of_ideal_median_paired": ours["fraction_of_ideal_median_paired"], "repeats": args.repeats,
+        "cases": cases, "exactness": exact,
     }
     emit(_markdown(result), result, args, indent=2)
     return 0
@@ -312,10 +268,8 @@ def _verdicts(r: dict[str, Any]) -> list[str]:
     lines = []
     for name, c in r["exactness"]["cases"].items():
         if name != "padded" and not _is_exact(c):
-            lines.append(
-                f"- **{name} is not exact** on this transformers version: loss relative diff "
-                f"{c['loss_rel_diff']:.2e}, gradients max abs diff {c['grad_max_abs_diff']:.2e}"
-            )
+            lines.append(f"- **{name} is not exact** on this transformers version: loss relative diff "
+                         f"{c['loss_rel_diff']:.2e}, gradients max abs diff {c['grad_max_abs_diff']:.2e}")
     for name in CASES[1:]:
         ratio = r["cases"][name]["vs_padded"]["time_ratio"]
         if ratio <= 1.0:
@@ -337,40 +291,25 @@ def _markdown(r: dict[str, Any]) -> str:
                      *diff])
     rows = table(["case", "median step (s)", "real tokens/s", "padded tokens/s", "padded time / case time",
                   "memory (MiB)", "loss", "loss rel diff", "grads allclose"], "lrrrrrrrl", rows)
-    ratios = []
-    for name in CASES[1:]:
-        q = r["cases"][name]["vs_padded"]
-        ratios.append(
-            f"- {name}: padded time / {name} time {q['time_ratio']:.3f} (median of per-step pairs "
-            f"{q['time_ratio_median_paired']:.3f}); {q['fraction_of_ideal']:.2f} x ideal (median per-step "
-            f"achieved/ideal: {q['fraction_of_ideal_median_paired']:.2f}); by process CPU time {q['cpu_time_ratio']:.3f}"
-        )
-    grads = [
-        f"- {name} gradients: max abs diff {x[name]['grad_max_abs_diff']:.2e} (max |grad| "
-        f"{r['exactness']['grad_max_abs']:.2e}), allclose(rtol=1e-4, atol=1e-6): "
-        f"{x[name]['grads_allclose_rtol1e-4_atol1e-6']}"
-        for name in x
-        if name != "padded"
-    ]
+    ratios = [f"- {name}: padded time / {name} time {q['time_ratio']:.3f} (median of per-step pairs "
+              f"{q['time_ratio_median_paired']:.3f}); {q['fraction_of_ideal']:.2f} x ideal (median per-step achieved/"
+              f"ideal: {q['fraction_of_ideal_median_paired']:.2f}); by process CPU time {q['cpu_time_ratio']:.3f}"
+              for name in CASES[1:] for q in [r["cases"][name]["vs_padded"]]]
+    grads = [f"- {name} gradients: max abs diff {x[name]['grad_max_abs_diff']:.2e} (max |grad| "
+             f"{r['exactness']['grad_max_abs']:.2e}), allclose(rtol=1e-4, atol=1e-6): "
+             f"{x[name]['grads_allclose_rtol1e-4_atol1e-6']}" for name in x if name != "padded"]
     cached = x["hf_flatten_use_cache"]
     lines = [
         f"model {r['model']} ({r['parameters'] / 1e6:.1f}M parameters, {r['attn_implementation']} attention), "
         f"batch {r['batch_size']}, {r['steps']} timed steps per case (fastest of {r['repeats']}), {e['device']} "
         f"{e['dtype']}, {e['torch_threads']} torch threads, transformers {e['transformers']}, "
-        f"1-min load average at the end {e['load_average_1min_at_end']:.1f}",
-        "",
-        *rows,
-        "",
+        f"1-min load average at the end {e['load_average_1min_at_end']:.1f}", "", *rows, "",
         f"- real / padded tokens per step (median): {r['real_tokens_per_step_median']} / "
         f"{r['padded_tokens_per_step_median']}",
-        f"- ideal ratio (padded tokens / real tokens): {r['ideal_ratio']:.3f}",
-        *ratios,
-        *grads,
+        f"- ideal ratio (padded tokens / real tokens): {r['ideal_ratio']:.3f}", *ratios, *grads,
         f"- hf_flatten is timed with use_cache=False (as the HF Trainer runs it); called with use_cache=True "
         f"(the config default) its loss is {cached['loss']:.6f}, relative diff {cached['loss_rel_diff']:.2e}",
         f"- memory column: {mem_label}; loss columns: one batch, same weights, each case's mean over the "
-        "same target tokens",
-        *_verdicts(r),
-        "",
+        "same target tokens", *_verdicts(r), "",
     ]
     return "\n".join(lines)

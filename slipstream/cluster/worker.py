@@ -1,12 +1,13 @@
 """The ranks slipstream's commands launch: the life of one (:func:`run_worker`), the
-launching side (:func:`launch_worker`), and the measurement every benchmark rank shares.
+launching side (:func:`launch_worker`, with the cluster options and the :func:`flags` that hand
+a command's arguments on), and the measurement every benchmark shares.
 
 A worker module is a body and one call::
 
     def body(args) -> dict: ...      # on every rank; rank 0's return value is the result
 
     if __name__ == "__main__":
-        run_worker(body, options=add_options)
+        run_worker(body, options={"--steps": int})
 
 and a command runs it with ``launch_worker("slipstream.bench.workers.comm", argv, spec)``,
 which returns that result. :func:`run_worker` parses ``--out`` and the worker's options, sets torch's threads, joins the
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
 import json
 import os
 import sys
@@ -32,19 +34,63 @@ import torch.distributed as dist
 
 from .emulated import ClusterSpec, launch
 
-__all__ = ["cores_per_rank", "in_turns", "launch_worker", "leave", "run_worker", "slowest", "time_from_barrier",
-           "turns"]
+__all__ = ["add_cluster_options", "add_flags", "cluster_spec", "cores_per_rank", "flags", "in_turns", "launch_worker",
+           "leave", "run_worker", "slowest", "time_from_barrier", "timed_step", "turns"]
 
 
 def launch_worker(module: str, argv: Sequence[str], spec: ClusterSpec, *, env: Mapping[str, str] | None = None,
-                  timeout: float | None = None, out: str | Path | None = None) -> Any:
+                  timeout: float | None = None, out: str | Path | None = None, quiet: bool = False) -> Any:
     """Run worker ``module`` (``python -m``, see :func:`run_worker`) with ``argv`` on the ranks
     of ``spec`` (:func:`~slipstream.cluster.launch`); return the result rank 0 wrote to ``out``
-    (default: a temporary file)."""
-    with tempfile.TemporaryDirectory(prefix="slipstream-worker-") as tmp:
+    (default: a temporary file). ``quiet``: the ranks' output goes to stderr, not stdout."""
+    with (tempfile.TemporaryDirectory(prefix="slipstream-worker-") as tmp,
+          contextlib.redirect_stdout(sys.stderr) if quiet else contextlib.nullcontext()):
         path = Path(out) if out is not None else Path(tmp) / "result.json"
         launch(["-m", module, *argv, "--out", str(path)], spec, env=env, timeout=timeout)
         return json.loads(path.read_text())
+
+
+def add_cluster_options(parser: argparse.ArgumentParser, *, ranks_per_node: int) -> None:
+    """``--nodes``, ``--ranks-per-node`` and ``--link``: the cluster a command launches on."""
+    parser.add_argument("--nodes", type=int, default=1, help="emulated nodes (default 1; more need root)")
+    parser.add_argument("--ranks-per-node", type=int, default=ranks_per_node,
+                        help=f"ranks per node (default {ranks_per_node})")
+    parser.add_argument("--link", help="tc rate of each node's link, e.g. 1gbit (needed for --nodes > 1)")
+
+
+def cluster_spec(args: argparse.Namespace, **fields: Any) -> ClusterSpec:
+    """The cluster of :func:`add_cluster_options`' arguments, with ``fields``; a bad one exits saying why."""
+    if args.nodes > 1 and not args.link:
+        raise SystemExit("--nodes > 1 needs --link (e.g. 1gbit)")
+    try:
+        return ClusterSpec(nodes=args.nodes, ranks_per_node=args.ranks_per_node, link=args.link, **fields)
+    except ValueError as e:
+        raise SystemExit(str(e)) from e
+
+
+def flags(args: argparse.Namespace, *names: str) -> list[str]:
+    """The command-line arguments that give ``names`` their values in ``args`` (``batch_size``:
+    ``["--batch-size", "8"]``; True: the bare switch; None, False and "": nothing)."""
+    out: list[str] = []
+    for name in names:
+        value, flag = getattr(args, name), "--" + name.replace("_", "-")
+        if value is True:
+            out.append(flag)
+        elif not (value is None or value is False or value == ""):
+            out += [flag, str(value)]
+    return out
+
+
+def add_flags(parser: argparse.ArgumentParser, table: Mapping[str, Any]) -> None:
+    """Each ``flag: spec`` of ``table``: a type (a required argument of it), False (a switch),
+    None (an optional string) or a default (an optional argument of its type)."""
+    for flag, spec in table.items():
+        if isinstance(spec, type):
+            parser.add_argument(flag, type=spec, required=True)
+        elif spec is False:
+            parser.add_argument(flag, action="store_true")
+        else:
+            parser.add_argument(flag, type=str if spec is None else type(spec), default=spec)
 
 
 def cores_per_rank() -> int:
@@ -53,14 +99,15 @@ def cores_per_rank() -> int:
 
 
 def run_worker(body: Callable[[argparse.Namespace], Any], *,
-               options: Callable[[argparse.ArgumentParser], None] | None = None,
+               options: Callable[[argparse.ArgumentParser], None] | Mapping[str, Any] | None = None,
                group: str | Callable[[argparse.Namespace], Any] | None = "gloo",
                threads: int | Callable[[], int] | None = 1,
                destroy_group: bool | Callable[[argparse.Namespace], bool] = True,
                argv: Sequence[str] | None = None) -> None:
     """The whole life of a rank; it never returns.
 
-    ``options`` adds the worker's own arguments to the parser (``--out`` is always there).
+    ``options`` adds the worker's own arguments to the parser (``--out`` is always there), or
+    is their table (:func:`add_flags`).
     ``threads``: torch's intra-op threads, a number or a function giving one (after
     ``OMP_NUM_THREADS`` defaults to 1), or None to keep torch's own. ``group``: the backend
     of the default process group, a function of the arguments that joins it (a stack that
@@ -69,8 +116,10 @@ def run_worker(body: Callable[[argparse.Namespace], Any], *,
     at a barrier and leave without tearing it down (for an extension that aborts in it)."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True, help="rank 0 writes the result here, as JSON")
-    if options is not None:
+    if callable(options):
         options(parser)
+    elif options:
+        add_flags(parser, options)
     args = parser.parse_args(argv)
     if threads is not None:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -120,6 +169,26 @@ def time_from_barrier(call: Callable[[], Any], reps: int = 1) -> float:
     for _ in range(reps):
         call()
     return (time.perf_counter() - start) / reps
+
+
+def timed_step(loss: Callable[[], torch.Tensor], optimizer: torch.optim.Optimizer,
+               device: torch.device | None = None, repeats: int = 1) -> tuple[float, float]:
+    """Wall and process-CPU seconds of a training step (zero the gradients, ``loss().backward()``,
+    ``optimizer.step()``): the fastest of ``repeats`` runs, since contention from other processes
+    only ever adds time. On a CUDA ``device`` a host sync before and after each run."""
+    cuda = device is not None and device.type == "cuda"
+    best = (float("inf"), float("inf"))
+    for _ in range(repeats):
+        if cuda:
+            torch.cuda.synchronize(device)
+        start, cpu = time.perf_counter(), time.process_time()
+        optimizer.zero_grad(set_to_none=True)
+        loss().backward()
+        optimizer.step()
+        if cuda:
+            torch.cuda.synchronize(device)
+        best = min(best, (time.perf_counter() - start, time.process_time() - cpu))
+    return best
 
 
 def slowest(times: Mapping[str, Sequence[float]]) -> dict[str, list[float]]:

@@ -1,8 +1,5 @@
-"""One rank of ``slipstream env``; started by torch.distributed.run on every rank.
-
-Builds the communicator the way training does, asks it what it would run and why, loads the
-tuned plan (cache, else cost model) and has rank 0 write it all as JSON to ``--out``.
-"""
+"""One rank of ``slipstream env``: builds the communicator the way training does, asks it what
+it would run and why, and loads the tuned plan (cache, else cost model)."""
 
 from __future__ import annotations
 
@@ -40,14 +37,10 @@ def _fast_paths(comm: Communicator) -> dict:
     off = comm.unavailable or ("the group has one rank" if comm.world == 1 else "")
     shm_why = off or ("" if comm.shm is not None else "every node holds one rank")
     hier_why = off or ("" if comm.hier is not None else "the group spans one node")
-    if comm.hier is None:
-        conn_why = hier_why or "no inter-node path"
-    elif cfg.connections == 1:
-        conn_why = "connections=1 (SLIPSTREAM_CONNECTIONS)"
-    else:
-        conn_why = ""
-    cuda = torch.cuda.is_available()
-    staging_why = ("no CUDA device" if not cuda else "disabled (SLIPSTREAM_CUDA_STAGING=0)" if not cfg.cuda_staging
+    conn_why = ((hier_why or "no inter-node path") if comm.hier is None
+                else "connections=1 (SLIPSTREAM_CONNECTIONS)" if cfg.connections == 1 else "")
+    staging_why = ("no CUDA device" if not torch.cuda.is_available()
+                   else "disabled (SLIPSTREAM_CUDA_STAGING=0)" if not cfg.cuda_staging
                    else "the group has NCCL" if "nccl" in str(dist.get_backend(comm.group)) else off)
     return {
         "shm": {"active": comm.shm is not None, "why_not": shm_why},
@@ -75,16 +68,6 @@ def _routes(comm: Communicator, plan) -> list[dict]:
     return rows
 
 
-def _settings() -> dict | None:
-    """The ``SLIPSTREAM_CONFIG`` file's whole section as the job reads it (None: no file)."""
-    settings = SlipstreamConfig.from_env()
-    return settings.to_dict() if settings is not None else None
-
-
-def options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--cache-dir")
-
-
 def probe(args: argparse.Namespace) -> dict:
     comm = pool.get(None)
     topo = comm.topology
@@ -93,6 +76,7 @@ def probe(args: argparse.Namespace) -> dict:
     cache_dir = args.cache_dir or str(default_cache_dir())
     plan = load_plan(comm, cache_dir=cache_dir)
     key = TuneKey.of(comm)
+    settings = SlipstreamConfig.from_env()  # the SLIPSTREAM_CONFIG file's whole section as the job reads it
     result = {
         "world_size": comm.world,
         "backend": str(dist.get_backend()),
@@ -100,7 +84,7 @@ def probe(args: argparse.Namespace) -> dict:
                      "uniform": topo.is_uniform, "blocked": topo.is_blocked,
                      "ranks": [{"rank": r, "node": topo.node_of[r], **info} for r, info in enumerate(ranks)]},
         "config": comm.config.to_dict(),
-        "settings": _settings(),
+        "settings": settings.to_dict() if settings is not None else None,
         "fast_paths": _fast_paths(comm),
         "unavailable": comm.unavailable,
         "routes": _routes(comm, plan),
@@ -116,4 +100,4 @@ def probe(args: argparse.Namespace) -> dict:
 
 
 if __name__ == "__main__":
-    run_worker(probe, options=options)
+    run_worker(probe, options={"--cache-dir": None})

@@ -1,10 +1,7 @@
-"""One rank of ``slipstream tune``; started by torch.distributed.run on every rank.
-
-Tunes (or loads the cache), then with ``--compare`` times the communicator's fixed default
-against the tuned plan on each size, alternating which goes first, each call timed from a
+"""One rank of ``slipstream tune``: tunes (or loads the cache), then with ``--compare`` times
+the communicator's fixed default against the tuned plan on each size in turns, each call from a
 barrier, the slowest rank's time kept; at least ``--iters`` calls each, more for small sizes
-(about 2 s per side). Rank 0 writes the plan and the times as JSON to ``--out``.
-"""
+(about 2 s per side)."""
 
 from __future__ import annotations
 
@@ -46,20 +43,10 @@ def _compare(default: Communicator, tuned: Communicator, plan, sizes: list[int],
             tuned_algo, _ = tuned.algorithm(inp, kind=kind)
             choice = plan.choose(kind, inp.numel() * inp.element_size(), inp.dtype)
             records.append(dict(kind=kind, size_bytes=full.numel() * full.element_size(),
-                                default_algorithm=default_algo,
-                                tuned_algorithm=tuned_algo,
+                                default_algorithm=default_algo, tuned_algorithm=tuned_algo,
                                 tuned_chunk_bytes=choice.chunk_bytes if choice else None,
                                 default_times_s=times["default"], tuned_times_s=times["tuned"]))
     return records
-
-
-def options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--budget", type=float, required=True)
-    parser.add_argument("--dtypes", required=True)
-    parser.add_argument("--cache-dir")
-    parser.add_argument("--force", action="store_true")
-    parser.add_argument("--compare", default="", help="full-buffer bytes, comma-separated")
-    parser.add_argument("--iters", type=int, default=10)
 
 
 def tune(args: argparse.Namespace) -> dict:
@@ -83,4 +70,6 @@ def tune(args: argparse.Namespace) -> dict:
 
 
 if __name__ == "__main__":
-    run_worker(tune, options=options)
+    # --compare: full-buffer bytes, comma-separated
+    run_worker(tune, options={"--budget": float, "--dtypes": str, "--cache-dir": None, "--force": False,
+                              "--compare": "", "--iters": 10})

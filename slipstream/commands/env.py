@@ -9,17 +9,14 @@ their installed metadata, without importing them.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import platform
 import sys
-from importlib import metadata
 
 import slipstream
-from slipstream.bench.report import format_size
-from slipstream.cluster import ClusterSpec
-from slipstream.cluster.worker import launch_worker
+from slipstream.bench.report import format_size, version
+from slipstream.cluster.worker import add_cluster_options, cluster_spec, launch_worker
 
 __all__ = ["add_arguments", "run", "versions"]
 
@@ -27,9 +24,7 @@ _OPTIONAL = ("deepspeed", "transformers", "accelerate", "megatron-core")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--nodes", type=int, default=1, help="emulated nodes (default 1; more need root)")
-    parser.add_argument("--ranks-per-node", type=int, default=2, help="ranks per node (default 2)")
-    parser.add_argument("--link", help="tc rate of each node's link, e.g. 1gbit (for --nodes > 1)")
+    add_cluster_options(parser, ranks_per_node=2)
     parser.add_argument("--cache-dir", help="tuner cache (default ~/.cache/slipstream/tuner)")
     parser.add_argument("--timeout", type=float, default=300, help="seconds before every rank is killed")
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
@@ -42,14 +37,8 @@ def versions() -> dict[str, str | None]:
     """Python, torch, slipstream and the optional stacks (None: not installed)."""
     import torch
 
-    out: dict[str, str | None] = {"python": platform.python_version(), "torch": torch.__version__,
-                                  "slipstream": slipstream.__version__}
-    for name in _OPTIONAL:
-        try:
-            out[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            out[name] = None
-    return out
+    return {"python": platform.python_version(), "torch": torch.__version__, "slipstream": slipstream.__version__,
+            **{name: version(name) for name in _OPTIONAL}}
 
 
 def _choice_ranges(choices: list[dict], world: int) -> list[tuple[str, str]]:
@@ -90,35 +79,23 @@ def _text(r: dict) -> str:
         f"no cache file yet; `slipstream tune` writes {tuned['cache_file']}"
     lines += [f"tuned plan: {tuned['source']} ({cache}), connections {tuned['connections']}"]
     lines += [f"  {kind:<15} {ranges}" for kind, ranges in _choice_ranges(tuned["choices"], r["world_size"])]
-    lines += [
-              f"  buckets: DDP {b['ddp']}, DeepSpeed {b['deepspeed']}, FSDP {b['fsdp']}",
+    lines += [f"  buckets: DDP {b['ddp']}, DeepSpeed {b['deepspeed']}, FSDP {b['fsdp']}",
               "versions: " + ", ".join(f"{k} {v or '-'}" for k, v in r["versions"].items())]
     return "\n".join(lines) + "\n"
 
 
 def run(args: argparse.Namespace) -> int:
-    if getattr(args, "clean", False):
+    if args.clean:
         from slipstream.core_comm.collectives.segment import sweep_stale
 
         removed = sweep_stale()
         print(f"removed {len(removed)} stale shared-memory segment(s)" + "".join(f"\n  {p}" for p in removed))
         return 0
-    if args.nodes > 1 and not args.link:
-        raise SystemExit("--nodes > 1 needs --link (e.g. 1gbit)")
-    try:
-        spec = ClusterSpec(nodes=args.nodes, ranks_per_node=args.ranks_per_node, link=args.link)
-    except ValueError as e:
-        raise SystemExit(str(e)) from e
+    spec = cluster_spec(args)
     argv = ["--cache-dir", os.path.abspath(args.cache_dir)] if args.cache_dir else []
-    # With --json, stdout carries only the JSON: the ranks' output goes to stderr.
-    with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
-        result = launch_worker("slipstream.commands._env_worker", argv, spec, timeout=args.timeout)
+    result = launch_worker("slipstream.commands._env_worker", argv, spec, timeout=args.timeout, quiet=args.json)
     result["launch"] = {"nodes": spec.nodes, "ranks_per_node": spec.ranks_per_node, "link": spec.link}
     result["versions"] = versions()
     result["autoload"] = slipstream.status()["autoload"]
-    if args.json:
-        json.dump(result, sys.stdout, indent=1)
-        sys.stdout.write("\n")
-    else:
-        sys.stdout.write(_text(result))
+    sys.stdout.write(json.dumps(result, indent=1) + "\n" if args.json else _text(result))
     return 0

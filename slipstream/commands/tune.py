@@ -9,17 +9,14 @@ fixed default against the tuned choice on each size (the target: never > 5% slow
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import statistics
-import sys
 
 import torch
 
-from slipstream.bench.report import emit, format_size, machine, machine_line, parse_size, table
-from slipstream.cluster import ClusterSpec
-from slipstream.cluster.worker import launch_worker
+from slipstream.bench.report import emit, format_size, page, parse_size, table
+from slipstream.cluster.worker import add_cluster_options, cluster_spec, flags, launch_worker
 from slipstream.plugins.deepspeed.translate import zero_buckets
 from slipstream.plugins.fsdp.translate import wrap_policy_kwargs
 
@@ -27,9 +24,7 @@ __all__ = ["add_arguments", "run"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--nodes", type=int, default=1, help="emulated nodes (default 1; more need root)")
-    parser.add_argument("--ranks-per-node", type=int, default=4, help="ranks per node (default 4)")
-    parser.add_argument("--link", help="tc rate of each node's link, e.g. 1gbit (for --nodes > 1)")
+    add_cluster_options(parser, ranks_per_node=4)
     parser.add_argument("--budget", type=float, default=10.0, help="seconds of measuring (default 10)")
     parser.add_argument("--dtypes", default="float32", help="comma-separated torch dtype names")
     parser.add_argument("--cache-dir", help="tuner cache (default ~/.cache/slipstream/tuner)")
@@ -41,20 +36,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--markdown", help="also write the report (machine, command, tables) here")
 
 
-def _command(args: argparse.Namespace) -> str:
-    parts = ["slipstream tune", f"--nodes {args.nodes}", f"--ranks-per-node {args.ranks_per_node}"]
-    parts += [f"--link {args.link}"] if args.link else []
-    parts += [f"--budget {args.budget:g}", f"--dtypes {args.dtypes}"]
-    parts += ["--force"] if args.force else []
-    parts += [f"--compare {args.compare} --iters {args.iters}"] if args.compare else []
-    return " ".join(parts)
-
-
 def _ms(t: float | None) -> str:
     return "" if t is None else f"{t * 1e3:.3f}"
 
 
-def _choices_table(result: dict) -> str:
+def _choices_table(result: dict) -> list[str]:
     from slipstream.core_comm.tuner import TunedPlan
 
     plan = TunedPlan.from_json(result["plan"])
@@ -68,17 +54,17 @@ def _choices_table(result: dict) -> str:
         rows.append([r["kind"], format_size(full), r["dtype"], choice, r["source"], _ms(r["time_s"]), r["default"],
                      _ms(r["default_time_s"]), ratio, cands])
     b = plan.buckets
-    return "\n".join(table(["op", "size (full buffer)", "dtype", "choice", "source", "time (ms)", "default",
-                            "default (ms)", "vs default", "candidates (ms)"], "lrlllrlrrl", rows) + [
+    return table(["op", "size (full buffer)", "dtype", "choice", "source", "time (ms)", "default", "default (ms)",
+                  "vs default", "candidates (ms)"], "lrlllrlrrl", rows) + [
         "", f"connections per inter-node peer: {plan.connections}"
         + (f" (8 MiB allreduce ms by count: {', '.join(f'{k}: {_ms(v)}' for k, v in plan.connection_times_s.items())})"
            if plan.connection_times_s else "") + f"; plan {result['source']} "
         f"(tuning took {result['tune_s']:.1f} s)",
         f"buckets: DDP {b.ddp_kwargs()}; DeepSpeed (bf16) {zero_buckets(b)}; FSDP (bf16) {wrap_policy_kwargs(b)}",
-    ])
+    ]
 
 
-def _compare_table(records: list[dict]) -> str:
+def _compare_table(records: list[dict]) -> list[str]:
     rows = []
     for r in records:
         d, t = statistics.median(r["default_times_s"]), statistics.median(r["tuned_times_s"])
@@ -86,38 +72,31 @@ def _compare_table(records: list[dict]) -> str:
         rows.append([r["kind"], format_size(r["size_bytes"]), r["default_algorithm"], _ms(d), tuned, _ms(t),
                      f"{t / d:.3f}"])
     worst = max(statistics.median(r["tuned_times_s"]) / statistics.median(r["default_times_s"]) for r in records)
-    return "\n".join(table(["op", "size", "default", "default (ms)", "tuned", "tuned (ms)", "tuned / default"],
-                           "lrlrlrr", rows) + ["", f"worst tuned / default: {worst:.3f} (target <= 1.05)"])
+    return table(["op", "size", "default", "default (ms)", "tuned", "tuned (ms)", "tuned / default"], "lrlrlrr",
+                 rows) + ["", f"worst tuned / default: {worst:.3f} (target <= 1.05)"]
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.nodes > 1 and not args.link:
-        raise SystemExit("--nodes > 1 needs --link (e.g. 1gbit)")
+    spec = cluster_spec(args)
     try:
-        spec = ClusterSpec(nodes=args.nodes, ranks_per_node=args.ranks_per_node, link=args.link)
         sizes = [parse_size(s) for s in args.compare.split(",")] if args.compare else []
         dtypes = args.dtypes.split(",")
     except ValueError as e:
         raise SystemExit(str(e)) from e
     if bad := [d for d in dtypes if not isinstance(getattr(torch, d, None), torch.dtype)]:
         raise SystemExit(f"not torch dtype names: {bad}")
-    argv = ["--budget", str(args.budget), "--dtypes", args.dtypes, "--compare", ",".join(map(str, sizes)),
-            "--iters", str(args.iters)]
+    argv = [*flags(args, "budget", "dtypes", "iters", "force"), "--compare", ",".join(map(str, sizes))]
     argv += ["--cache-dir", os.path.abspath(args.cache_dir)] if args.cache_dir else []
-    argv += ["--force"] if args.force else []
-    # With --json, stdout carries only the JSON: the ranks' output goes to stderr.
-    with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
-        result = launch_worker("slipstream.commands._tune_worker", argv, spec, timeout=args.timeout)
+    result = launch_worker("slipstream.commands._tune_worker", argv, spec, timeout=args.timeout, quiet=args.json)
     if args.json:
-        json.dump(result, sys.stdout, indent=1)
-        sys.stdout.write("\n")
+        print(json.dumps(result, indent=1))
         return 0
-    report = "\n".join([
-        machine_line(machine()),
-        f"command: {_command(args)}",
-        f"layout: {spec.nodes} node(s) x {spec.ranks_per_node} ranks" + (f", link {spec.link}" if spec.link else "")
-        + (f"; fast paths off: {result['unavailable']}" if result["unavailable"] else ""),
-        "", _choices_table(result), "",
-    ] + ([_compare_table(result["compare"]), ""] if result["compare"] else []))
-    emit(report, result, args)
+    command = " ".join(["slipstream tune", *flags(args, "nodes", "ranks_per_node", "link"),
+                        f"--budget {args.budget:g}", *flags(args, "dtypes", "force", "compare"),
+                        *(flags(args, "iters") if args.compare else [])])
+    layout = f"layout: {spec.nodes} node(s) x {spec.ranks_per_node} ranks"
+    layout += f", link {spec.link}" if spec.link else ""
+    layout += f"; fast paths off: {result['unavailable']}" if result["unavailable"] else ""
+    body = _choices_table(result) + (["", *_compare_table(result["compare"])] if result["compare"] else [])
+    emit(page(command, [layout], body), result, args)
     return 0

@@ -15,7 +15,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from ..cluster.worker import cores_per_rank, run_worker
+from ..cluster.worker import add_flags, cores_per_rank, run_worker
 from ..core_compile import step_loss
 from ..plugins.fsdp.translate import grad_reduction
 from .comm_timer import CommTimer, Timed
@@ -93,8 +93,7 @@ def _time_comms(model, timer: CommTimer) -> None:
 
 def options(p: argparse.ArgumentParser) -> None:
     add_options(p)
-    p.add_argument("--hsdp", action="store_true")
-    p.add_argument("--no-varlen", action="store_true")
+    add_flags(p, {"--hsdp": False, "--no-varlen": False})
 
 
 if __name__ == "__main__":

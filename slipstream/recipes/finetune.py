@@ -12,20 +12,18 @@ import sys
 from pathlib import Path
 
 from ..cluster import ClusterSpec
-from ..cluster.worker import launch_worker
+from ..cluster.worker import flags, launch_worker
 
 WORKERS = {"deepspeed": "slipstream.recipes._deepspeed_worker", "fsdp": "slipstream.recipes._fsdp_worker"}
-# Options handed to every rank unchanged: (flag, attribute).
-_PASSED = [("--model", "model"), ("--tokenizer", "tokenizer"), ("--data", "data"), ("--samples", "samples"),
-           ("--max-length", "max_length"), ("--steps", "steps"), ("--zero", "zero"),
-           ("--batch-size", "batch_size"), ("--grad-accum", "grad_accum"), ("--lr", "lr"), ("--seed", "seed"),
-           ("--config", "config"), ("--output-dir", "output_dir")]
+# Options handed to every rank unchanged
+_PASSED = ("model", "tokenizer", "data", "samples", "max_length", "steps", "zero", "batch_size", "grad_accum", "lr",
+           "seed", "config", "output_dir")
 
 
 def add_arguments(p) -> None:
     p.add_argument("--model", default="llama-tiny",
                    help="a config name (llama-tiny, llama-20m, ...) or a local Hugging Face model directory")
-    p.add_argument("--tokenizer", default=None, help="local tokenizer path (default: the model's, or one built locally)")
+    p.add_argument("--tokenizer", help="local tokenizer path (default: the model's, or one built locally)")
     p.add_argument("--data", default=None, help="alpaca-format JSON (default: a generated dataset)")
     p.add_argument("--samples", type=int, default=400, help="samples to generate when --data is not given")
     p.add_argument("--max-length", type=int, default=512)
@@ -39,8 +37,8 @@ def add_arguments(p) -> None:
                    help="with --stack fsdp: a 2-D mesh, shard inside a node and replicate across nodes "
                         "(with --compare: stock full sharding, stock HSDP and slipstream HSDP)")
     p.add_argument("--no-varlen", action="store_true", help="with --stack fsdp: slipstream's collectives only")
-    p.add_argument("--compile", action="store_true",
-                   help="slipstream runs: the compile strategy chosen by measurement on the first steps (slipstream.compile)")
+    p.add_argument("--compile", action="store_true", help="slipstream runs: the compile strategy chosen by "
+                   "measurement on the first steps (slipstream.compile)")
     p.add_argument("--zero", type=int, choices=(1, 2, 3), default=2)
     p.add_argument("--batch-size", type=int, default=8, help="samples per rank per micro-step")
     p.add_argument("--grad-accum", type=int, default=1)
@@ -113,7 +111,7 @@ def run(args) -> int:
 def _runs(args) -> list[tuple[str, str, bool]]:
     """(key, impl, hsdp) of each job to launch. HSDP is compared with stock full sharding, the
     layout a stock user has, and with stock HSDP, the peer the same mesh gives without us."""
-    hsdp = bool(getattr(args, "hsdp", False))
+    hsdp = args.hsdp
     if not args.compare:
         impl = "stock" if args.no_slipstream else "slipstream"
         return [(impl, impl, hsdp)]
@@ -127,16 +125,12 @@ def result_file(output_dir, impl: str, hsdp: bool = False) -> Path:
 
 def _launch(args, impl: str, spec: ClusterSpec, hsdp: bool = False) -> dict:
     argv = ["--impl", impl]
-    if getattr(args, "stack", "deepspeed") == "fsdp":
-        argv += ["--hsdp"] * hsdp + ["--no-varlen"] * bool(args.no_varlen)
-    argv += ["--compile"] * bool(getattr(args, "compile", False))
-    for flag, attr in _PASSED:
-        value = getattr(args, attr)
-        if value is not None:
-            argv += [flag, str(value)]
+    if args.stack == "fsdp":
+        argv += ["--hsdp"] * hsdp + flags(args, "no_varlen")
+    argv += flags(args, "compile", *_PASSED)
     out = result_file(args.output_dir, impl, hsdp)
     out.unlink(missing_ok=True)
-    return launch_worker(WORKERS[getattr(args, "stack", "deepspeed")], argv, spec, timeout=args.timeout, out=out)
+    return launch_worker(WORKERS[args.stack], argv, spec, timeout=args.timeout, out=out)
 
 
 def _print_summary(r: dict) -> None:
@@ -192,8 +186,8 @@ def write_plot(stock: dict, ours: dict, path: Path) -> None:
         left.plot(range(1, len(r["losses"]) + 1), r["losses"], label=label, marker="o", markersize=3)
     left.set(xlabel="step", ylabel="loss", title="loss per step")
     left.legend()
-    bars = right.bar([base, f"{mine} + slipstream" if mine != base else "+ slipstream"], [stock["tokens_per_s"], ours["tokens_per_s"]],
-                     color=["#888888", "#2a7ab9"])
+    bars = right.bar([base, f"{mine} + slipstream" if mine != base else "+ slipstream"],
+                     [stock["tokens_per_s"], ours["tokens_per_s"]], color=["#888888", "#2a7ab9"])
     right.bar_label(bars, fmt="%.0f")
     right.set(ylabel="real tokens / s", title=f"throughput ({ours['tokens_per_s'] / stock['tokens_per_s']:.2f}x)")
     fig.tight_layout()

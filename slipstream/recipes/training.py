@@ -11,6 +11,7 @@ import argparse
 import os
 import random
 import resource
+import statistics
 import sys
 import time
 from typing import Callable
@@ -18,6 +19,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from ..cluster.worker import add_flags
 from ..core_comm import counters
 from ..core_compile import balance, global_token_count
 from .alpaca import alpaca_samples, pad_batch
@@ -25,22 +27,18 @@ from .comm_timer import CommTimer
 from .model import build_model
 from .tokenizer import load_tokenizer
 
-__all__ = ["WARMUP_STEPS", "add_options", "compile_summary", "micro_batches", "prepare", "step_record",
-           "summary", "train_steps", "training_samples"]
+__all__ = ["WARMUP_STEPS", "add_options", "micro_batches", "prepare", "step_record", "summary", "train_steps",
+           "training_samples"]
 
 WARMUP_STEPS = 2  # excluded from the throughput medians: lazy set-up of comm and kernels
 
 
 def add_options(p: argparse.ArgumentParser) -> None:
-    """The options ``slipstream finetune`` hands every rank."""
-    for name, kind, default in [
-        ("--impl", str, "slipstream"), ("--model", str, "llama-tiny"), ("--tokenizer", str, None),
-        ("--data", str, None), ("--samples", int, 400), ("--max-length", int, 512),
-        ("--steps", int, 20), ("--zero", int, 2), ("--batch-size", int, 8), ("--grad-accum", int, 1),
-        ("--lr", float, 1e-3), ("--seed", int, 0), ("--config", str, None), ("--output-dir", str, "out"),
-    ]:
-        p.add_argument(name, type=kind, default=default)
-    p.add_argument("--compile", action="store_true", help="slipstream runs: slipstream.compile")
+    """The options ``slipstream finetune`` hands every rank (``--compile``: slipstream runs compile)."""
+    add_flags(p, {"--impl": "slipstream", "--model": "llama-tiny", "--tokenizer": None, "--data": None,
+                  "--samples": 400, "--max-length": 512, "--steps": 20, "--zero": 2, "--batch-size": 8,
+                  "--grad-accum": 1, "--lr": 1e-3, "--seed": 0, "--config": None, "--output-dir": "out",
+                  "--compile": False})
 
 
 def training_samples(args, tokenizer) -> list[dict]:
@@ -116,34 +114,29 @@ def step_record(micro, loss_sum, tokens, elapsed: float, comm_seconds: float) ->
             "padded_tokens": counts[2].item(), "step_time_s": elapsed, "comm_time_s": comm_seconds}
 
 
-def compile_summary(model) -> dict | None:
-    """What ``slipstream.compile`` measured and chose on this rank (None: not compiled)."""
-    from ..core_compile import compile_report
-
-    report = compile_report(model)
-    return report.to_dict() if report is not None else None
-
-
 def summary(args, records: list[dict], timer: CommTimer, model, *, varlen: bool, checkpoint: str = "",
             **fields) -> dict:
     """The run's figures (medians over the steps after :data:`WARMUP_STEPS`), the peak memory
-    of the largest rank, the collectives' times and paths, the compile report, then
-    ``fields``. ``varlen``: the model computes real tokens only (else no padding is removed)."""
+    of the largest rank, the collectives' times and paths, what ``slipstream.compile`` measured
+    and chose on this rank (None: not compiled), then ``fields``. ``varlen``: the model computes
+    real tokens only (else no padding is removed)."""
+    from ..core_compile import compile_report
+
     timed = records[WARMUP_STEPS:] or records
-    median = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
     real = sum(r["real_tokens"] for r in timed)
     seconds = sum(r["step_time_s"] for r in timed)
     peak = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0])
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    compiled = compile_report(model)
     removed = 1 - sum(r["real_tokens"] for r in records) / sum(r["padded_tokens"] for r in records) if varlen else 0.0
     return {
         "impl": args.impl, "steps": args.steps, "zero": args.zero,
-        "tokens_per_s": real / seconds, "step_time_s": median([r["step_time_s"] for r in timed]),
-        "comm_time_s": median([r["comm_time_s"] for r in timed]), "peak_mem_mb": float(peak),
+        "tokens_per_s": real / seconds, "step_time_s": statistics.median_high(r["step_time_s"] for r in timed),
+        "comm_time_s": statistics.median_high(r["comm_time_s"] for r in timed), "peak_mem_mb": float(peak),
         "padding_removed": removed,
         "losses": [r["loss"] for r in records], "final_loss": records[-1]["loss"], "checkpoint": checkpoint,
-        "comm_by_op": timer.calls(), "comm_paths": counters.snapshot(), "compile": compile_summary(model),
-        **fields,
+        "comm_by_op": timer.calls(), "comm_paths": counters.snapshot(),
+        "compile": compiled.to_dict() if compiled is not None else None, **fields,
     }
 
 

@@ -1,14 +1,13 @@
-"""One rank of ``slipstream bench comm``; started by torch.distributed.run on every rank.
+"""One rank of ``slipstream bench comm``.
 
 For each op and size: run every implementation (stock, slipstream and, for allreduce,
 DeepSpeed's shm op: see ``deepspeed_shm.py``) once on the same integer-valued input and require
 results identical to stock's (small integers sum exactly in every dtype and order, so any
-difference is a bug, not rounding), warm them up, then time them alternating (the order rotates
-every iteration). An iteration's time is the slowest rank's, from a barrier to the
-end of the collective; below 4 MiB an iteration runs the collective back to back several times
-(at most 50, as nccl-tests' ``iters`` do) and counts the mean, so that the skew of ranks
-leaving the barrier (a few hundred microseconds with 4 ranks on 2 cores) does not swamp a
-latency of that order. Rank 0 writes the raw times as JSON to ``--out``.
+difference is a bug, not rounding), warm them up, then time them in turns. An iteration's time
+is the slowest rank's, from a barrier to the end of the collective; below 4 MiB an iteration
+runs the collective back to back several times (at most 50, as nccl-tests' ``iters`` do) and
+counts the mean, so that the skew of ranks leaving the barrier (a few hundred microseconds with
+4 ranks on 2 cores) does not swamp a latency of that order.
 """
 
 from __future__ import annotations
@@ -135,15 +134,6 @@ def _communicators(impls: list[str], rank: int, world: int) -> dict[str, Any]:
     return comms
 
 
-def options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--ops", required=True)
-    parser.add_argument("--sizes", required=True, help="bytes, comma-separated")
-    parser.add_argument("--impls", required=True)
-    parser.add_argument("--dtype", required=True)
-    parser.add_argument("--iters", type=int, required=True)
-    parser.add_argument("--warmup", type=int, required=True)
-
-
 def measure(args: argparse.Namespace) -> dict:
     world, rank = dist.get_world_size(), dist.get_rank()
     impls = args.impls.split(",")
@@ -172,4 +162,5 @@ if __name__ == "__main__":
     # With DeepSpeed's shm extension loaded (0.19.8), a rank now and then aborts in C++
     # teardown after every result is in ("terminate called without an active exception",
     # one CI run in about six): leave without that teardown once all ranks are done.
-    run_worker(measure, options=options, destroy_group=lambda args: "deepspeed" not in args.impls.split(","))
+    run_worker(measure, options={"--ops": str, "--sizes": str, "--impls": str, "--dtype": str, "--iters": int,
+                                 "--warmup": int}, destroy_group=lambda args: "deepspeed" not in args.impls.split(","))

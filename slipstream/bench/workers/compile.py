@@ -9,15 +9,13 @@ own loss):
 - ``tuned``: ``slipstream.compile(model, config=CompileConfig(cache=False, ...))``, trained
   until the autotuner has chosen (``report.decided_at_step``), then on to ``steps`` steps.
 
-After the choice the eager steps left and the tuned model's steps take turns, a step of each
-on the same batch (which goes first flips every step), so a slow spell of the shared machine
-hits both. Writes the step times and ``compile_report(model).to_dict()`` as JSON to ``--out``.
+After the choice the eager steps left and the tuned model's steps take turns on the same
+batches, so a slow spell of the shared machine hits both. The result: the step times and
+``compile_report(model).to_dict()``.
 """
 
 from __future__ import annotations
 
-import argparse
-import itertools
 import json
 import time
 from dataclasses import dataclass
@@ -25,7 +23,7 @@ from typing import Callable
 
 import torch
 
-from slipstream.cluster.worker import run_worker
+from slipstream.cluster.worker import run_worker, timed_step, turns
 
 WARM_STEPS = 2
 MIN_STEADY_STEPS = 5
@@ -80,14 +78,11 @@ def _resnet(job: dict, device: torch.device) -> Workload:
     g = torch.Generator().manual_seed(job["seed"])
     batches = [(torch.randn(b, 3, s, s, generator=g).to(device), torch.randint(0, 10, (b,), generator=g).to(device))
                for _ in range(8)]
-    return Workload(
-        description=f"ResNet-50 from {source}, width {job['resnet_width']}",
-        build=_seeded(lambda: make().to(device).train(), job["seed"]),
-        optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9),
-        batches=batches,
-        loss=lambda m, batch: torch.nn.functional.cross_entropy(m(batch[0]), batch[1]),
-        batch_shape=f"{b} x 3 x {s} x {s}",
-    )
+    return Workload(description=f"ResNet-50 from {source}, width {job['resnet_width']}",
+                    build=_seeded(lambda: make().to(device).train(), job["seed"]),
+                    optimizer=lambda m: torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9), batches=batches,
+                    loss=lambda m, batch: torch.nn.functional.cross_entropy(m(batch[0]), batch[1]),
+                    batch_shape=f"{b} x 3 x {s} x {s}")
 
 
 def _bert(job: dict, device: torch.device) -> Workload:
@@ -102,15 +97,11 @@ def _bert(job: dict, device: torch.device) -> Workload:
     batches = [{"input_ids": torch.randint(0, config.vocab_size, (b, n), generator=g).to(device),
                 "attention_mask": torch.ones(b, n, dtype=torch.long, device=device),
                 "labels": torch.randint(0, 2, (b,), generator=g).to(device)} for _ in range(8)]
-    return Workload(
-        description=f"BertForSequenceClassification, bert-{job['bert_size']} ({layers} layers, hidden {hidden}), "
-                    f"{config._attn_implementation or 'default'} attention",
-        build=_seeded(lambda: BertForSequenceClassification(config).to(device).train(), job["seed"]),
-        optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=1e-4),
-        batches=batches,
-        loss=lambda m, batch: m(**batch).loss,
-        batch_shape=f"{b} x {n} tokens",
-    )
+    return Workload(description=f"BertForSequenceClassification, bert-{job['bert_size']} ({layers} layers, hidden "
+                                f"{hidden}), {config._attn_implementation or 'default'} attention",
+                    build=_seeded(lambda: BertForSequenceClassification(config).to(device).train(), job["seed"]),
+                    optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=1e-4), batches=batches,
+                    loss=lambda m, batch: m(**batch).loss, batch_shape=f"{b} x {n} tokens")
 
 
 def _llama(job: dict, device: torch.device) -> Workload:
@@ -127,8 +118,8 @@ def _llama(job: dict, device: torch.device) -> Workload:
     if n < 1:
         raise SystemExit(f"need at least {b} samples, have {len(samples)}")
     collate = FlattenCollator()
-    batches = [{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in collate(samples[i * b:(i + 1) * b]).items()}
-               for i in range(n)]
+    batches = [{k: v.to(device) if isinstance(v, torch.Tensor) else v
+                for k, v in collate(samples[i * b:(i + 1) * b]).items()} for i in range(n)]
     tokens = sorted(batch["input_ids"].shape[1] for batch in batches)
 
     def make():
@@ -136,34 +127,14 @@ def _llama(job: dict, device: torch.device) -> Workload:
                             pad_token_id=tokenizer.pad_token_id)
         return apply_varlen(model.to(device).train())
 
-    return Workload(
-        description=f"{job['llama_model']} (recipe model) with apply_varlen, FlattenCollator batches of "
-                    f"{b} alpaca samples ({'from ' + job['data'] if job['data'] else 'generated'})",
-        build=make,
-        optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=1e-4),
-        batches=batches,
-        loss=lambda m, batch: m(**batch).loss,
-        batch_shape=f"1 x {tokens[0]}..{tokens[-1]} tokens (median {tokens[len(tokens) // 2]})",
-    )
+    return Workload(description=f"{job['llama_model']} (recipe model) with apply_varlen, FlattenCollator batches of "
+                                f"{b} alpaca samples ({'from ' + job['data'] if job['data'] else 'generated'})",
+                    build=make, optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=1e-4), batches=batches,
+                    loss=lambda m, batch: m(**batch).loss,
+                    batch_shape=f"1 x {tokens[0]}..{tokens[-1]} tokens (median {tokens[len(tokens) // 2]})")
 
 
 WORKLOADS = {"resnet50": _resnet, "bert": _bert, "llama": _llama}
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _step(model, optimizer, loss_fn, batch, device) -> float:
-    """Seconds of one forward + backward + optimizer step."""
-    _sync(device)
-    start = time.perf_counter()
-    optimizer.zero_grad(set_to_none=True)
-    loss_fn(model, batch).backward()
-    optimizer.step()
-    _sync(device)
-    return time.perf_counter() - start
 
 
 def measure(job: dict) -> dict:
@@ -172,10 +143,14 @@ def measure(job: dict) -> dict:
 
     device = torch.device(job["device"])
     w = WORKLOADS[job["model"]](job, device)
-    batch = lambda i: w.batches[i % len(w.batches)]  # noqa: E731
     eager, tuned = w.build(), w.build()
     eager_opt, tuned_opt = w.optimizer(eager), w.optimizer(tuned)
-    eager_warm = [_step(eager, eager_opt, w.loss, batch(i), device) for i in range(WARM_STEPS)]
+
+    def step(model, opt, i: int) -> float:
+        """Seconds of step ``i``: forward + backward + optimizer step on batch ``i`` (cycled)."""
+        return timed_step(lambda: w.loss(model, w.batches[i % len(w.batches)]), opt, device)[0]
+
+    eager_warm = [step(eager, eager_opt, i) for i in range(WARM_STEPS)]
 
     config = CompileConfig(cache=False, verbose=False, budget_s=job["budget_s"],
                            strategies=tuple(job["strategies"]) if job["strategies"] else None)
@@ -186,19 +161,15 @@ def measure(job: dict) -> dict:
     while report.decided_at_step is None:
         if len(tuned_s) > MAX_SEARCH_STEPS:
             raise RuntimeError(f"the autotuner has not chosen after {MAX_SEARCH_STEPS} steps")
-        tuned_s.append(_step(tuned, tuned_opt, w.loss, batch(len(tuned_s)), device))
-    steady = max(job["steps"] - len(tuned_s), MIN_STEADY_STEPS)
+        tuned_s.append(step(tuned, tuned_opt, len(tuned_s)))
     eager_s, steady_s = [], []
-    for k, both in enumerate(itertools.zip_longest(range(job["eager_steps"] - WARM_STEPS), range(steady))):
+    runs = {"eager": (eager, eager_opt, eager_s, job["eager_steps"] - WARM_STEPS),
+            "tuned": (tuned, tuned_opt, steady_s, max(job["steps"] - len(tuned_s), MIN_STEADY_STEPS))}
+    for k in range(max(n for *_, n in runs.values())):
         i = len(tuned_s) + k
-        turns = [("eager", both[0]), ("tuned", both[1])][:: 1 if k % 2 == 0 else -1]
-        for who, index in turns:
-            if index is None:
-                continue
-            if who == "eager":
-                eager_s.append((i, _step(eager, eager_opt, w.loss, batch(i), device)))
-            else:
-                steady_s.append((i, _step(tuned, tuned_opt, w.loss, batch(i), device)))
+        for model, opt, times, n in (runs[who] for who in turns(list(runs), k)):
+            if k < n:
+                times.append((i, step(model, opt, i)))
     return {
         "model": job["model"], "device": str(device), "description": w.description, "batch": w.batch_shape,
         "parameters": sum(p.numel() for p in tuned.parameters()), "torch_threads": torch.get_num_threads(),
@@ -207,10 +178,7 @@ def measure(job: dict) -> dict:
     }
 
 
-def options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--job", required=True, help="the job as JSON (see compile._job)")
-
-
 if __name__ == "__main__":
-    # a process of its own, no group: every core is the model's (torch's own thread count)
-    run_worker(lambda args: measure(json.loads(args.job)), options=options, group=None, threads=None)
+    # --job: the job as JSON (compile._job). A process of its own, no group: every core is the
+    # model's (torch's own thread count).
+    run_worker(lambda args: measure(json.loads(args.job)), options={"--job": str}, group=None, threads=None)

@@ -1,27 +1,24 @@
-"""One rank of ``slipstream bench ddp``; started by torch.distributed.run on every rank.
+"""One rank of ``slipstream bench ddp``.
 
 The default group is ``init_process_group("slipstream")``; the stock reference is a gloo group
 of the same ranks (``new_group(backend="gloo")``: the same ``ProcessGroupGloo`` that
 ``init_process_group("gloo")`` makes). Two copies of one MLP, built from the same seed, are
 wrapped in plain ``DistributedDataParallel``, one per group, and trained on the same
-rank-dependent synthetic batches with SGD, a step of each in turn (which goes first flips
-every step), so that both see the same machine load. Steps after ``--warmup`` are timed; a
-step's time is the slowest rank's. Rank 0 writes the times and the largest weight difference
-between the two models as JSON to ``--out``.
+rank-dependent synthetic batches with SGD, a step of each in turn, so that both see the same
+machine load. Steps after ``--warmup`` are timed; a step's time is the slowest rank's.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import time
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import slipstream  # noqa: F401 - registers the backend
-from slipstream.cluster.worker import run_worker, slowest, turns
+from slipstream.cluster.worker import run_worker, slowest, timed_step, turns
 
 
 def make_model(width: int, depth: int, seed: int = 0) -> torch.nn.Module:
@@ -39,24 +36,6 @@ def batch(rank: int, step: int, size: int, width: int) -> tuple[torch.Tensor, to
     return x, x.sum(1, keepdim=True).sin()
 
 
-def _step(model, opt, x, y) -> float:
-    start = time.perf_counter()
-    opt.zero_grad(set_to_none=True)
-    torch.nn.functional.mse_loss(model(x), y).backward()
-    opt.step()
-    return time.perf_counter() - start
-
-
-def options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--width", type=int, required=True)
-    parser.add_argument("--depth", type=int, required=True)
-    parser.add_argument("--batch", type=int, required=True)
-    parser.add_argument("--steps", type=int, required=True)
-    parser.add_argument("--warmup", type=int, required=True)
-    parser.add_argument("--bucket-mb", type=float, default=25.0)
-    parser.add_argument("--lr", type=float, default=0.01)
-
-
 def train(args: argparse.Namespace) -> dict:
     rank = dist.get_rank()
     groups = {"gloo": dist.new_group(backend="gloo"), "slipstream": dist.group.WORLD}
@@ -67,7 +46,7 @@ def train(args: argparse.Namespace) -> dict:
     for step in range(args.warmup + args.steps):
         x, y = batch(rank, step, args.batch, args.width)
         for name in turns(list(models), step):
-            took = _step(models[name], opts[name], x, y)
+            took, _ = timed_step(lambda: torch.nn.functional.mse_loss(models[name](x), y), opts[name])
             if step >= args.warmup:
                 times[name].append(took)
     weights = {name: torch.cat([p.detach().reshape(-1) for p in m.module.parameters()]) for name, m in models.items()}
@@ -78,4 +57,6 @@ def train(args: argparse.Namespace) -> dict:
 
 
 if __name__ == "__main__":
-    run_worker(train, options=options, group="slipstream", threads=lambda: int(os.environ["OMP_NUM_THREADS"]))
+    run_worker(train, options={"--width": int, "--depth": int, "--batch": int, "--steps": int, "--warmup": int,
+                               "--bucket-mb": 25.0, "--lr": 0.01},
+               group="slipstream", threads=lambda: int(os.environ["OMP_NUM_THREADS"]))

@@ -5,8 +5,8 @@ group, on alpaca data, on ``--backend`` gloo or slipstream, with padded or packe
 Padded batches use a causal mask; packed ones are one row of the real tokens with
 ``PackedSeqParams`` through slipstream's packed attention. The loss is the sum of the
 per-token losses over the step's real target tokens of every data-parallel rank, so padded and
-packed runs train the same numbers. Rank 0 writes the step times (the slowest rank's), the
-losses and the per-collective paths as JSON to ``--out``.
+packed runs train the same numbers. The result: the step times (the slowest rank's), the
+losses and the per-collective paths.
 
 megatron-core 0.16 asks CUDA for things a CPU run does not need; this worker (and the tests)
 work around them, and only here: see ``CPU_WORKAROUNDS``, printed in the bench's report.
@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 import slipstream  # noqa: F401 - registers the backend
-from slipstream.cluster.worker import cores_per_rank, run_worker, slowest
+from slipstream.cluster.worker import add_flags, cores_per_rank, run_worker, slowest
 
 CPU_WORKAROUNDS = (
     "torch.cuda.current_device() answers 'cpu' (megatron-core puts the rotary frequencies and "
@@ -72,19 +72,9 @@ def next_token_batch(samples: list[dict], pad_id: int) -> dict:
 
 def options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", choices=("gloo", "slipstream"), required=True)
-    p.add_argument("--tp", type=int, required=True)
-    p.add_argument("--packed", action="store_true")
-    p.add_argument("--data", default=None)
-    p.add_argument("--samples", type=int, default=400)
-    p.add_argument("--max-length", type=int, default=512)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--seed", type=int, default=0)
+    add_flags(p, {"--tp": int, "--packed": False, "--data": None, "--samples": 400, "--max-length": 512, "--batch": 8,
+                  "--steps": 10, "--warmup": 2, "--hidden": 256, "--layers": 4, "--heads": 8, "--lr": 1e-3,
+                  "--seed": 0})
 
 
 def train(args: argparse.Namespace) -> dict:

@@ -1,13 +1,8 @@
-"""One rank of ``slipstream bench transport``; started by torch.distributed.run on every rank.
-
-Each rank allreduces its own tensor with its peers on the other nodes (the ranks of the same
-local index: the inter-node step of the hierarchical path), through gloo and through
-``MultiConnInter`` with each connection count. Every transport gets its own listening ports
-from ``--port-base`` on, so that each connection has a port of its own (the emulated cluster's
-per-connection caps key on ports). Results are checked against gloo once (small integers sum
-exactly), then the implementations are timed in rotation (which goes first changes every
-iteration). An iteration's time is the slowest rank's, from a barrier to the end of the
-allreduce. Rank 0 writes the raw times as JSON to ``--out``.
+"""One rank of ``slipstream bench transport``: its allreduce with the ranks of the same local
+index on the other nodes, through gloo and through ``MultiConnInter`` with each connection
+count. Every transport gets its own listening ports from ``--port-base`` on, so that each
+connection has a port of its own (the emulated cluster's per-connection caps key on ports).
+Results are checked against gloo once (small integers sum exactly) before the timing.
 """
 
 from __future__ import annotations
@@ -55,15 +50,6 @@ def _check(impls: dict, source: torch.Tensor, group) -> None:
             raise RuntimeError(f"rank {dist.get_rank()}: {name} allreduce differs from gloo; refusing to time")
 
 
-def options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--size", type=int, required=True, help="bytes of fp32 per rank")
-    parser.add_argument("--connections", required=True, help="comma-separated K")
-    parser.add_argument("--iters", type=int, required=True)
-    parser.add_argument("--warmup", type=int, required=True)
-    parser.add_argument("--port-base", type=int, required=True)
-    parser.add_argument("--timeout-s", type=float, default=120.0)
-
-
 def measure(args: argparse.Namespace) -> dict:
     world, rank = dist.get_world_size(), dist.get_rank()
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
@@ -93,4 +79,6 @@ def measure(args: argparse.Namespace) -> dict:
 
 
 if __name__ == "__main__":
-    run_worker(measure, options=options)
+    # --size: bytes of fp32 per rank; --connections: the K to compare, comma-separated
+    run_worker(measure, options={"--size": int, "--connections": str, "--iters": int, "--warmup": int,
+                                 "--port-base": int, "--timeout-s": 120.0})
