@@ -10,6 +10,7 @@ benchmarks train on: either, tokenised.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import random
@@ -18,15 +19,8 @@ from typing import Any, Sequence
 
 import torch
 
-__all__ = [
-    "AlpacaFormatError",
-    "alpaca_samples",
-    "format_prompt",
-    "generate_alpaca",
-    "load_alpaca",
-    "pad_batch",
-    "tokenize_alpaca",
-]
+__all__ = ["AlpacaFormatError", "alpaca_samples", "format_prompt", "generate_alpaca", "load_alpaca", "pad_batch",
+           "tokenize_alpaca"]
 
 PROMPT_WITH_INPUT = (
     "Below is an instruction that describes a task, paired with an input that provides further context. "
@@ -62,7 +56,7 @@ def generate_alpaca(n: int = 1000, *, seed: int = 0) -> list[dict[str, str]]:
         raise ValueError(f"n must be >= 0, got {n}")
     rng = random.Random(seed)
     weights = [1.0 / (rank + 1) for rank in range(len(_WORDS))]  # Zipf-like word frequencies
-    cum = list(_accumulate(weights))
+    cum = list(itertools.accumulate(weights))
 
     def words(k: int) -> str:
         picked = rng.choices(_WORDS, cum_weights=cum, k=k)
@@ -75,17 +69,9 @@ def generate_alpaca(n: int = 1000, *, seed: int = 0) -> list[dict[str, str]]:
         total = min(max(total, _MIN_WORDS), _MAX_WORDS)
         n_instr = min(total - 1, rng.randint(4, 20))
         n_input = 0 if rng.random() < 0.6 else min(total - 1 - n_instr, rng.randint(3, 30))
-        records.append(
-            {"instruction": words(n_instr), "input": words(n_input), "output": words(total - n_instr - n_input)}
-        )
+        records.append({"instruction": words(n_instr), "input": words(n_input),
+                        "output": words(total - n_instr - n_input)})
     return records
-
-
-def _accumulate(values: Sequence[float]):
-    total = 0.0
-    for v in values:
-        total += v
-        yield total
 
 
 class AlpacaFormatError(ValueError):
@@ -127,9 +113,8 @@ def format_prompt(record: dict[str, str]) -> str:
     return template.format(instruction=record["instruction"], input=record.get("input", ""))
 
 
-def tokenize_alpaca(
-    records: Sequence[dict[str, str]], tokenizer: Any, *, max_length: int | None = None
-) -> list[dict[str, list[int]]]:
+def tokenize_alpaca(records: Sequence[dict[str, str]], tokenizer: Any, *,
+                    max_length: int | None = None) -> list[dict[str, list[int]]]:
     """``[{"input_ids", "labels"}]`` per record: prompt + response + EOS, prompt labels -100.
 
     ``tokenizer``: a Hugging Face tokenizer. ``max_length`` truncates from the end.
@@ -147,10 +132,8 @@ def tokenize_alpaca(
     return out
 
 
-def alpaca_samples(
-    tokenizer: Any, *, data: str | Path | None = None, samples: int = 1000, seed: int = 0,
-    max_length: int | None = None, shuffle: bool = False,
-) -> tuple[list[dict[str, list[int]]], int]:
+def alpaca_samples(tokenizer: Any, *, data: str | Path | None = None, samples: int = 1000, seed: int = 0,
+                   max_length: int | None = None, shuffle: bool = False) -> tuple[list[dict[str, list[int]]], int]:
     """Samples of :func:`tokenize_alpaca` from alpaca file ``data``, else from ``samples``
     records generated with ``seed``: cut to ``max_length`` tokens, those left without a target
     (under 2 tokens) dropped, shuffled with ``seed`` when ``shuffle``; and how many were cut."""

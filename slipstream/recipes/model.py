@@ -16,9 +16,7 @@ import torch
 
 __all__ = ["MODEL_CONFIGS", "build_model", "context_length", "count_parameters"]
 
-_TINY = dict(
-    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
-)
+_TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 
 # name -> (model_type, config kwargs). max_position_embeddings covers the longest alpaca
 # sample with room to spare.
@@ -38,15 +36,8 @@ MODEL_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-def build_model(
-    name: str,
-    *,
-    vocab_size: int,
-    attn_implementation: str = "sdpa",
-    dtype: torch.dtype = torch.float32,
-    seed: int = 0,
-    pad_token_id: int | None = 0,
-) -> torch.nn.Module:
+def build_model(name: str, *, vocab_size: int, attn_implementation: str = "sdpa", dtype: torch.dtype = torch.float32,
+                seed: int = 0, pad_token_id: int | None = 0) -> torch.nn.Module:
     """A causal LM: a config from :data:`MODEL_CONFIGS` with random weights (seeded), or the
     model saved in the local directory ``name`` (loaded offline)."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -54,18 +45,15 @@ def build_model(
     if name not in MODEL_CONFIGS:
         if not os.path.isdir(name):
             raise ValueError(f"unknown model {name!r}: not one of {sorted(MODEL_CONFIGS)} nor a local directory")
-        return AutoModelForCausalLM.from_pretrained(
-            name, local_files_only=True, attn_implementation=attn_implementation, dtype=dtype
-        )
+        return AutoModelForCausalLM.from_pretrained(name, local_files_only=True,
+                                                    attn_implementation=attn_implementation, dtype=dtype)
     model_type, kwargs = MODEL_CONFIGS[name]
-    config = AutoConfig.for_model(
-        model_type, vocab_size=vocab_size, pad_token_id=pad_token_id, tie_word_embeddings=False, **kwargs
-    )
+    config = AutoConfig.for_model(model_type, vocab_size=vocab_size, pad_token_id=pad_token_id,
+                                  tie_word_embeddings=False, **kwargs)
     config._attn_implementation = attn_implementation
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    return model
+        return AutoModelForCausalLM.from_config(config, dtype=dtype)
 
 
 def count_parameters(model: torch.nn.Module) -> int:
