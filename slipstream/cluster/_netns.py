@@ -15,17 +15,8 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-__all__ = [
-    "NetnsError",
-    "missing_privileges",
-    "run",
-    "add_ns",
-    "del_ns",
-    "kill_process_trees",
-    "list_ns",
-    "add_veth",
-    "shape_egress",
-]
+__all__ = ["NetnsError", "missing_privileges", "run", "add_ns", "del_ns", "kill_process_trees", "list_ns", "add_veth",
+           "shape_egress"]
 
 # tbf bucket: at least one 64 KiB GSO segment (tbf segments anything larger than the bucket in
 # software, so big segments neither blow through nor stall it), and a queue of 40 ms at the
@@ -49,10 +40,7 @@ def missing_privileges() -> str | None:
         return "the emulated cluster needs root to create network namespaces (run as root)"
     missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
     if missing:
-        return (
-            f"the emulated cluster needs iproute2 ({', '.join(missing)} not found; "
-            "apt-get install iproute2)"
-        )
+        return f"the emulated cluster needs iproute2 ({', '.join(missing)} not found; apt-get install iproute2)"
     return None
 
 
@@ -158,14 +146,8 @@ def _bucket(rate_bps: float) -> tuple[int, int]:
     return burst, burst + int(rate_bps / 8 * _QUEUE_SECONDS)
 
 
-def shape_egress(
-    ns: str,
-    dev: str,
-    rate_bps: float,
-    *,
-    per_connection_bps: float | None = None,
-    capped_ports: range = range(0),
-) -> None:
+def shape_egress(ns: str, dev: str, rate_bps: float, *, per_connection_bps: float | None = None,
+                 capped_ports: range = range(0)) -> None:
     """Limit what leaves ``dev`` in ``ns`` to ``rate_bps``.
 
     Without a per-connection rate: one tbf. With one: an htb whose root class holds the link
@@ -191,9 +173,6 @@ def shape_egress(
     for k, port in enumerate(capped_ports):
         cls = f"1:{0x100 + k:x}"
         lines.append(f"class add dev {dev} parent 1:1 classid {cls} htb rate {share} ceil {cap} {common}")
-        for field in ("dport", "sport"):
-            lines.append(
-                f"filter add dev {dev} parent 1: protocol ip prio 1 u32 "
-                f"match ip {field} {port} 0xffff flowid {cls}"
-            )
+        lines += [f"filter add dev {dev} parent 1: protocol ip prio 1 u32 match ip {field} {port} 0xffff flowid {cls}"
+                  for field in ("dport", "sport")]
     run("tc", "-batch", "-", ns=ns, stdin="\n".join(lines) + "\n")

@@ -36,7 +36,6 @@ sockets there. Automatic (ephemeral) ports start at 32768, so the default range
 from __future__ import annotations
 
 import atexit
-import contextlib
 import os
 import re
 import secrets
@@ -261,7 +260,7 @@ class EmulatedCluster:
         _netns.add_ns(name)
 
     def _build(self) -> None:
-        sw, run = self.switch_namespace, _netns.run
+        sw, run, spec = self.switch_namespace, _netns.run, self.spec
         self._add_ns(sw)
         run("ip", "link", "add", "br0", "type", "bridge", ns=sw)
         run("ip", "link", "set", "br0", "up", ns=sw)
@@ -272,18 +271,11 @@ class EmulatedCluster:
             run("ip", "link", "set", port, "master", "br0", "up", ns=sw)
             run("ip", "addr", "add", f"{ip}/24", "dev", self.iface, ns=ns)
             run("ip", "link", "set", self.iface, "up", ns=ns)
-            if self.spec.link is not None:
-                self._shape(ns, self.iface)
-                self._shape(sw, port)
-
-    def _shape(self, ns: str, dev: str) -> None:
-        spec = self.spec
-        per_conn = spec.per_connection_rate
-        _netns.shape_egress(
-            ns, dev, parse_rate(spec.link),  # type: ignore[arg-type]
-            per_connection_bps=None if per_conn is None else parse_rate(per_conn),
-            capped_ports=spec.capped_ports,
-        )
+            if spec.link is not None:  # both directions: the node's egress and the switch's towards it
+                per_conn = None if spec.per_connection_rate is None else parse_rate(spec.per_connection_rate)
+                for where, dev in ((ns, self.iface), (sw, port)):
+                    _netns.shape_egress(where, dev, parse_rate(spec.link), per_connection_bps=per_conn,
+                                        capped_ports=spec.capped_ports)
 
     def node_command(self, node: int, argv: Sequence[str]) -> list[str]:
         """``argv`` run inside node ``node``'s namespace (on its CPUs with ``pin_nodes``)."""
@@ -366,24 +358,17 @@ def _stream(proc: subprocess.Popen, prefix: str, tail: deque) -> None:
         sys.stdout.flush()
 
 
-@contextlib.contextmanager
-def _termination_unwinds():
-    """While the ranks run, SIGTERM and SIGHUP (a scheduler stopping the job) unwind like
-    Ctrl-C, so that ``_run_nodes``' cleanup stops every rank (the launchers run in sessions
-    of their own, which a signal to this process does not reach)."""
-    saved = _unwind_on_termination()
-    try:
-        yield
-    finally:
-        _restore_handlers(saved)
-
-
 def _run_nodes(commands: Sequence[tuple[list[str], Mapping[str, str]]], timeout: float | None) -> None:
     """Start one launcher per node, stream their output, fail fast on the first failure.
     SIGINT, SIGTERM and SIGHUP stop every rank (SIGTERM, then SIGKILL after 5 s) before this
-    returns."""
-    with _termination_unwinds():
+    returns: while the ranks run, SIGTERM and SIGHUP (a scheduler stopping the job) unwind like
+    Ctrl-C into the cleanup (the launchers run in sessions of their own, which a signal to this
+    process does not reach)."""
+    saved = _unwind_on_termination()
+    try:
         _run_and_reap(commands, timeout)
+    finally:
+        _restore_handlers(saved)
 
 
 def _run_and_reap(commands: Sequence[tuple[list[str], Mapping[str, str]]], timeout: float | None) -> None:
