@@ -19,37 +19,13 @@ from .varlen.collator import CollatorConfig, FlattenCollator, best_fit_decreasin
 from .varlen.loss import GradReduction, count_target_tokens, global_token_count, step_loss, sum_cross_entropy
 from .varlen.packing import PackedBatch
 from .varlen.sampler import TokenBalancedBatchSampler, balance
-from .varlen.hf_model import SUPPORTED_MODEL_TYPES, VarlenConfig
-from .varlen.hf_model import apply as apply_varlen
-from .varlen.hf_model import is_patched as is_varlen_patched
-from .varlen.hf_model import patched as varlen_patched
-from .varlen.hf_model import unpatch as unpatch_varlen
+from .varlen.hf_model import SUPPORTED_MODEL_TYPES, VarlenConfig, apply as apply_varlen
+from .varlen.hf_model import is_patched as is_varlen_patched, patched as varlen_patched, unpatch as unpatch_varlen
 
 __all__ = [
-    "BACKENDS",
-    "SUPPORTED_MODEL_TYPES",
-    "CollatorConfig",
-    "CompileConfig",
-    "CompileFallbackWarning",
-    "CompileReport",
-    "FlattenCollator",
-    "GradReduction",
-    "PackedBatch",
-    "TokenBalancedBatchSampler",
-    "VarlenConfig",
-    "apply_varlen",
-    "available_backends",
-    "balance",
-    "best_fit_decreasing",
-    "compile",
-    "compile_report",
-    "count_target_tokens",
-    "global_token_count",
-    "is_varlen_patched",
-    "step_loss",
-    "sum_cross_entropy",
-    "uncompile",
-    "unpatch_varlen",
-    "varlen_attention",
-    "varlen_patched",
+    "BACKENDS", "SUPPORTED_MODEL_TYPES", "CollatorConfig", "CompileConfig", "CompileFallbackWarning", "CompileReport",
+    "FlattenCollator", "GradReduction", "PackedBatch", "TokenBalancedBatchSampler", "VarlenConfig", "apply_varlen",
+    "available_backends", "balance", "best_fit_decreasing", "compile", "compile_report", "count_target_tokens",
+    "global_token_count", "is_varlen_patched", "step_loss", "sum_cross_entropy", "uncompile", "unpatch_varlen",
+    "varlen_attention", "varlen_patched",
 ]

@@ -10,7 +10,9 @@ collected, or at the end of a ``with`` block.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import pickle
 import queue
 import threading
 import traceback
@@ -55,8 +57,7 @@ class _Prefetcher(Iterator):
         self._device = owner.device
         self._queue: queue.Queue = queue.Queue(maxsize=owner.prefetch)
         self._stop = threading.Event()
-        cuda = self._device is not None and self._device.type == "cuda"
-        stream = torch.cuda.Stream(self._device) if cuda else None
+        stream = torch.cuda.Stream(self._device) if self._device is not None and self._device.type == "cuda" else None
         # the thread holds no reference to this iterator, so a loop left early lets it be
         # collected, and its collection stops the thread
         source, transform = owner.loader, owner.transform
@@ -93,11 +94,9 @@ class _Prefetcher(Iterator):
         finish the batch it is preparing."""
         self._done = True
         self._stop.set()
-        while True:
-            try:
+        with contextlib.suppress(queue.Empty):
+            while True:
                 self._queue.get_nowait()
-            except queue.Empty:
-                break
         if join_s > 0 and self._thread is not threading.current_thread():
             self._thread.join(timeout=join_s)
 
@@ -183,14 +182,8 @@ def _map(batch, fn):
     return batch
 
 
-# ------------------------------------------------------------------ process=True
-
-
 class _RemoteTraceback(Exception):
     """The cause of an exception raised in the child: its traceback, as text."""
-
-    def __str__(self) -> str:
-        return self.args[0]
 
 
 def _forked(loader, transform, prefetch: int):
@@ -228,8 +221,6 @@ def _forked(loader, transform, prefetch: int):
 def _child(loader, transform, q, done, parent: int) -> None:
     """The child process: each batch into ``q``, then ``("end", None)`` or the error; stays
     until ``done`` (it serves the shared memory of the batches it sent) or the parent is gone."""
-    import pickle
-
     torch.set_num_threads(1)  # one core's worth of collation; the step keeps the rest
     stopped = lambda: done.is_set() or os.getppid() != parent  # noqa: E731 - or the parent died
     try:

@@ -7,16 +7,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["agree", "agree_max", "rank"]
+__all__ = ["agree", "rank"]
 
 
 def rank() -> int:
     """This process's global rank (0 without torch.distributed)."""
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def agree_max(group, value: float) -> float:
-    return agree(group, [value])[0]
 
 
 def agree(group, values: list, mean: bool = False) -> list:

@@ -1,12 +1,5 @@
 """``slipstream.compile``: the compile strategy chosen by measurement on the first real steps.
 
-::
-
-    model = slipstream.compile(model)         # before or after DDP / FSDP2 / DeepSpeed wrap it
-    for batch in loader:                      # unchanged loop
-        loss = model(**batch).loss; loss.backward(); opt.step(); opt.zero_grad()
-    print(slipstream.compile_report(model).table())
-
 The model's ``forward`` becomes an ``Autotuner`` (an instance attribute; ``uncompile`` removes
 it). Each call is one training step; the time between two calls is the step's time, backward
 and optimizer included. The search, on the user's own batches:
@@ -33,7 +26,6 @@ versions skips the search and says so.
 
 from __future__ import annotations
 
-import contextlib
 import sys
 import time
 import warnings
@@ -46,7 +38,7 @@ import torch
 from ..._common.patch import change, forget
 from . import cache as compile_cache
 from . import check, diagnose, strategy
-from .agree import agree, agree_max, rank
+from .agree import agree, rank
 from .config import Candidate, CompileConfig, CompileFallbackWarning, CompileReport
 
 __all__ = ["compile", "compile_report", "uncompile"]
@@ -61,9 +53,7 @@ PRUNE_FACTOR = 2.0
 
 def _target(model: torch.nn.Module) -> torch.nn.Module:
     """The module whose forward is tuned: DDP's inner module, else the model itself."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    return model.module if isinstance(model, DistributedDataParallel) else model
+    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
 
 
 def _why(e: BaseException) -> str:
@@ -83,13 +73,6 @@ def _units(args, kwargs) -> int:
 def _signature(args, kwargs) -> tuple:
     flat = list(args) + [kwargs[k] for k in sorted(kwargs)]
     return tuple(tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__ for t in flat)
-
-
-def _device(module: torch.nn.Module, args, kwargs) -> torch.device:
-    first = check._first_tensor(list(args) + list(kwargs.values()))
-    if first is not None:
-        return first.device
-    return next((p.device for p in module.parameters()), torch.device("cpu"))
 
 
 class Autotuner:
@@ -141,25 +124,26 @@ class Autotuner:
     # ------------------------------------------------------------------ set-up
     def _start(self, args, kwargs) -> None:
         self.first_signature = _signature(args, kwargs)
-        device = _device(self.module, args, kwargs)
+        first = check._first_tensor(list(args) + list(kwargs.values()))
+        params = (p.device for p in self.module.parameters())
+        device = first.device if first is not None else next(params, torch.device("cpu"))
         self.hooked = strategy.has_forward_hooks(self.module)
         self.regions = strategy.hook_free_regions(strategy.repeated_blocks(self.module))
         if self.config.cache:
-            self.key = compile_cache.cache_key(self.module, args, kwargs, device, {"strategies": list(self.config.strategies or ())})
+            self.key = compile_cache.cache_key(self.module, args, kwargs, device,
+                                               {"strategies": list(self.config.strategies or ())})
             entry = compile_cache.load(self._cache_dir(), self.key)
             if entry and entry.get("chosen") in {s.name for s in strategy.STRATEGIES}:
                 self.report.from_cache = True
                 self.report.cache_file = str(compile_cache._path(self._cache_dir(), self.key))
-                self._choose(entry["chosen"])
-                self.phase = "verify" if entry["chosen"] != "eager" else "chosen"
+                self._choose(entry["chosen"], verify=True)
                 self._say()
                 return
         if self.config.graph_breaks and self.report.graph_count is None:  # not listed from compile()'s example
             self._graph_breaks(args, kwargs)
         if self.config.strategy is not None:
-            self._choose(self.config.strategy)
+            self._choose(self.config.strategy, verify=True)
             self.by_name[self.config.strategy].reason = "named by CompileConfig.strategy: no search"
-            self.phase = "verify" if self.config.strategy != "eager" else "chosen"
             return
         for s in strategy.candidates(device.type, names=self.config.strategies, max_autotune=self.config.max_autotune,
                                      has_regions=bool(self.regions), has_hooks=self.hooked):
@@ -183,8 +167,7 @@ class Autotuner:
 
     # ------------------------------------------------------------------ search
     def _search_step(self, now, args, kwargs):
-        signature = _signature(args, kwargs)
-        self.shapes_vary |= signature != self.first_signature
+        self.shapes_vary |= _signature(args, kwargs) != self.first_signature
         if self.warm_left > 0:
             self.warm_left -= 1
             return self._call(self.active, args, kwargs)
@@ -196,16 +179,22 @@ class Autotuner:
             if why:
                 self.by_name[s.name].status, self.by_name[s.name].reason = "skipped", why
                 continue
-            if agree_max(self.group, time.perf_counter() - self.search_start) > self.config.budget_s:
-                self._skip_pending(s, f"search budget of {self.config.budget_s:g} s spent")
+            if agree(self.group, [time.perf_counter() - self.search_start])[0] > self.config.budget_s:
+                for skipped in [s, *self.pending]:
+                    self.by_name[skipped.name].status = "skipped"
+                    self.by_name[skipped.name].reason = f"search budget of {self.config.budget_s:g} s spent"
+                self.pending.clear()
                 break
             ok = self._try(s, args, kwargs)
-            if agree_max(self.group, 0.0 if ok else 1.0) == 0.0:
+            if agree(self.group, [0.0 if ok else 1.0])[0] == 0.0:
                 self.survivors.append(s.name)
                 self.warm_left = self.config.warmup_steps
                 self.active = s.name
                 return self._call(s.name, args, kwargs)
-            self._drop(s.name, ok)
+            if ok:  # it passed here but failed on another rank
+                self.by_name[s.name].status = "rejected"
+                self.by_name[s.name].reason = "failed its check on another rank"
+            self.built.pop(s.name, None)
         timed = [n for n in self.survivors if len(self.by_name[n].step_s) < self.config.measure_rounds]
         if timed and len(timed) == len(self.survivors) and len(self.survivors) > 1:
             self._prune()  # a round is complete
@@ -225,7 +214,7 @@ class Autotuner:
         variant = next((p for p in self.pending if p.dynamic and (p.scope, p.mode) == (s.scope, s.mode)), None)
         if not (s.dynamic or s.dynamic is False or variant):
             return None
-        varied = bool(agree_max(self.group, float(self.shapes_vary)))
+        varied = bool(agree(self.group, [float(self.shapes_vary)])[0])
         if s.dynamic:
             return None if varied else "batch shapes did not change"
         if not varied:
@@ -269,16 +258,6 @@ class Autotuner:
                                              f"step{'s' * (rounds > 1)}: not timed further")
                 self.built.pop(name).deactivate()
 
-    def _drop(self, name: str, ok: bool) -> None:
-        if ok:  # it passed here but failed on another rank
-            self.by_name[name].status, self.by_name[name].reason = "rejected", "failed its check on another rank"
-        self.built.pop(name, None)
-
-    def _skip_pending(self, first, reason: str) -> None:
-        for s in [first, *self.pending]:
-            self.by_name[s.name].status, self.by_name[s.name].reason = "skipped", reason
-        self.pending.clear()
-
     def _decide(self) -> None:
         names = [c.name for c in self.report.candidates]
         medians = [self.by_name[n].median() for n in names]  # infinite where never timed
@@ -302,7 +281,8 @@ class Autotuner:
         if self.config.verbose and rank() == 0:
             print(self.report.table(), file=sys.stderr, flush=True)
 
-    def _choose(self, name: str) -> None:
+    def _choose(self, name: str, verify: bool = False) -> None:
+        """``name`` runs from now on; ``verify``: checked against eager at its first step."""
         if name not in self.by_name:
             self.by_name[name] = Candidate(name)
             self.report.candidates.append(self.by_name[name])
@@ -314,7 +294,7 @@ class Autotuner:
         self.active = name
         self.report.chosen = name
         self.report.decided_at_step = self.step
-        self.phase = "chosen"
+        self.phase = "verify" if verify and name != "eager" else "chosen"
         if name != "eager" and name not in self.built:
             s = next(s for s in strategy.STRATEGIES if s.name == name)
             self.built[name] = strategy.build(s, self.eager, self.regions)
@@ -328,7 +308,8 @@ class Autotuner:
             self._check(self.active, args, kwargs)
             self.by_name[self.active].compile_s = time.perf_counter() - start
         except Exception as e:  # noqa: BLE001
-            self._fall_back(f"{self.active!r} ({'cached' if self.report.from_cache else 'named'}) failed its check against eager: {_why(e)}")
+            self._fall_back(f"{self.active!r} ({'cached' if self.report.from_cache else 'named'}) failed its check "
+                            f"against eager: {_why(e)}")
         self.graphs_at_choice = self.built[self.active].counter.graphs if self.active in self.built else 0
 
     def _run_chosen(self, args, kwargs):
@@ -336,12 +317,9 @@ class Autotuner:
         if name == "eager":
             return self.eager(*args, **kwargs)
         every = self.config.check_every
-        if every and self.step % every == 0:
-            try:
-                self._check(name, args, kwargs)
-            except Exception as e:  # noqa: BLE001
-                return self._fall_back(f"step {self.step}: {_why(e)}", args, kwargs)
         try:
+            if every and self.step % every == 0:
+                self._check(name, args, kwargs)
             out = self._call(name, args, kwargs)
         except Exception as e:  # noqa: BLE001 - rerun eagerly: eager's own error, if any, is the user's
             return self._fall_back(f"step {self.step}: {_why(e)}", args, kwargs)
@@ -350,7 +328,8 @@ class Autotuner:
         self.report.recompiles = new
         if new > self.config.max_recompiles:
             why = "; ".join(self.report.recompile_reasons[-3:]) or "no guard reported"
-            self._fall_back(f"recompile storm: {new} new graphs after the choice (max_recompiles={self.config.max_recompiles}); last guards: {why}")
+            self._fall_back(f"recompile storm: {new} new graphs after the choice "
+                            f"(max_recompiles={self.config.max_recompiles}); last guards: {why}")
         return out
 
     def _fall_back(self, reason: str, args=None, kwargs=None):
@@ -365,11 +344,18 @@ class Autotuner:
 
     # ------------------------------------------------------------------ helpers
     def _call(self, name: str, args, kwargs):
+        """One step of ``name``: its regions switched on (they compile inside the eager forward),
+        dynamo's limit raised and recompiles watched."""
         if name == "eager":
             return self.eager(*args, **kwargs)
         applied = self.built[name]
-        with self._activated(name):  # regions compile inside the eager forward
-            return (applied.forward or self.eager)(*args, **kwargs)
+        with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT), \
+                diagnose.watch_recompiles(self.report.recompile_reasons):
+            applied.activate()
+            try:
+                return (applied.forward or self.eager)(*args, **kwargs)
+            finally:
+                applied.deactivate()
 
     def _check(self, name: str, args, kwargs) -> None:
         """``check.compare`` of ``name`` against eager on this batch (raises on a mismatch); the
@@ -377,22 +363,9 @@ class Autotuner:
         check.compare(self.module, self.eager, lambda *a, **k: self._call(name, a, k), args, kwargs,
                       gradients=not self.hooked)
 
-    @contextlib.contextmanager
-    def _activated(self, name: str):
-        """``name``'s regions switched on, dynamo's limit raised and recompiles watched."""
-        applied = self.built.get(name)
-        with torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT), \
-                diagnose.watch_recompiles(self.report.recompile_reasons):
-            if applied is not None:
-                applied.activate()
-            try:
-                yield
-            finally:
-                if applied is not None:
-                    applied.deactivate()
 
-
-def compile(model: torch.nn.Module, example=None, *, config: CompileConfig | None = None, group=None) -> torch.nn.Module:
+def compile(model: torch.nn.Module, example=None, *, config: CompileConfig | None = None,
+            group=None) -> torch.nn.Module:
     """Tune ``model``'s forward by measurement on its first training steps (module docstring).
 
     Returns ``model`` itself, its ``forward`` replaced (state dict and parameters unchanged).
@@ -408,7 +381,10 @@ def compile(model: torch.nn.Module, example=None, *, config: CompileConfig | Non
         return model
     tuner = Autotuner(module, config, group)
     if example is not None and config.graph_breaks:
-        args, kwargs = (((), dict(example)) if isinstance(example, dict) else (tuple(example) if isinstance(example, (tuple, list)) else (example,), {}))
+        if isinstance(example, dict):
+            args, kwargs = (), dict(example)
+        else:
+            args, kwargs = tuple(example) if isinstance(example, (tuple, list)) else (example,), {}
         tuner._graph_breaks(args, kwargs)
     module.forward = tuner
     ref = weakref.ref(module)

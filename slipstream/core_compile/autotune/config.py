@@ -57,7 +57,8 @@ class CompileConfig(Settings):
         if self.measure_rounds < 1:
             raise ValueError(f"measure_rounds must be >= 1, got {self.measure_rounds}")
         if self.min_speedup < 1.0:
-            raise ValueError(f"min_speedup must be >= 1.0 (a compiled strategy slower than eager is never kept), got {self.min_speedup}")
+            raise ValueError("min_speedup must be >= 1.0 (a compiled strategy slower than eager is never kept), "
+                             f"got {self.min_speedup}")
         if self.strategy is not None:
             strategy.candidates("cpu", names=(self.strategy,))
         if self.strategies is not None:
@@ -136,13 +137,15 @@ class CompileReport:
         for c in self.candidates:
             ms = f"{self.step_ms(c.name):.1f}" if c.step_s else "-"
             sp = self.speedup(c.name)
-            rows.append(f"| {c.name} | {c.status} | {ms} | {f'{sp:.2f}x' if sp else '-'} | {c.compile_s:.1f} | {c.graphs} | {c.reason} |")
+            rows.append(f"| {c.name} | {c.status} | {ms} | {f'{sp:.2f}x' if sp else '-'} | {c.compile_s:.1f} "
+                        f"| {c.graphs} | {c.reason} |")
         lines = [head, *rows]
         if self.graph_count is not None:
             lines.append(f"graphs per step: {self.graph_count}; graph breaks: {len(self.graph_breaks)}")
             lines += [f"  - {b.where}: {b.reason}" for b in self.graph_breaks[:10]]
-        lines.append(f"new graphs after the choice: {self.recompiles}; guards that failed: {len(self.recompile_reasons)}"
-                     + "".join(f"\n  - {r}" for r in self.recompile_reasons[:10]))
+        lines.append(f"new graphs after the choice: {self.recompiles}; "
+                     f"guards that failed: {len(self.recompile_reasons)}")
+        lines += [f"  - {r}" for r in self.recompile_reasons[:10]]
         if self.fallback:
             lines.append(f"fallback to eager: {self.fallback}")
         return "\n".join(lines)
@@ -152,7 +155,8 @@ class CompileReport:
             "module": self.module, "chosen": self.chosen, "from_cache": self.from_cache,
             "decided_at_step": self.decided_at_step, "search_s": self.search_s, "search_steps": self.search_steps,
             "overhead_s": self.overhead_s(), "fallback": self.fallback, "cache_file": self.cache_file,
-            "graph_count": self.graph_count, "graph_breaks": [{"reason": b.reason, "where": b.where} for b in self.graph_breaks],
+            "graph_count": self.graph_count,
+            "graph_breaks": [{"reason": b.reason, "where": b.where} for b in self.graph_breaks],
             "recompiles": self.recompiles, "recompile_reasons": list(self.recompile_reasons),
             "candidates": [{"name": c.name, "status": c.status, "reason": c.reason, "compile_s": c.compile_s,
                             "graphs": c.graphs, "step_ms": self.step_ms(c.name),

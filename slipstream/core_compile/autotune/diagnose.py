@@ -31,15 +31,12 @@ def graph_breaks(forward, args, kwargs) -> tuple[int, list[GraphBreak]]:
     (without gradients); callers put back any state it changes."""
     with torch.no_grad():
         out = torch._dynamo.explain(forward)(*args, **kwargs)
-    breaks, seen = [], set()
+    breaks = []
     for r in out.break_reasons:
         frame = r.user_stack[-1] if r.user_stack else None
         where = f"{frame.filename}:{frame.lineno}" if frame is not None else "?"
-        reason = " ".join(str(r.reason).split())[:300]
-        if (reason, where) not in seen:
-            seen.add((reason, where))
-            breaks.append(GraphBreak(reason, where))
-    return out.graph_count, breaks
+        breaks.append(GraphBreak(" ".join(str(r.reason).split())[:300], where))
+    return out.graph_count, list(dict.fromkeys(breaks))  # each break once, in order
 
 
 class _Catch(logging.Handler):

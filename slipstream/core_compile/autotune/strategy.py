@@ -10,9 +10,6 @@ larger but cut by every hook.
 Modules that carry forward hooks (ZeRO-3 and FSDP2 gather parameters in them) are never
 compiled themselves: the hook-free parts inside them are (``hook_free_regions``), so a wrapped
 model still gets its element-wise work fused.
-
-Every compiled strategy compiles through a counting backend (``Counter``): each graph it
-builds is counted and timed, so recompiles are seen whatever torch's logging says.
 """
 
 from __future__ import annotations
@@ -22,7 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["STRATEGIES", "Counter", "Strategy", "candidates", "has_forward_hooks", "hook_free_regions", "repeated_blocks"]
+__all__ = ["STRATEGIES", "Counter", "Strategy", "candidates", "has_forward_hooks", "hook_free_regions",
+           "repeated_blocks"]
 
 
 @dataclass(frozen=True)
@@ -72,20 +70,14 @@ def candidates(device_type: str, *, names=None, max_autotune: bool | None = None
             raise ValueError(f"unknown compile strategy {unknown[0]!r}; known: {', '.join(by_name)}")
         return [by_name["eager"]] + [by_name[n] for n in names if n != "eager"]
     autotune = device_type == "cuda" if max_autotune is None else max_autotune
-    keep = []
-    for s in STRATEGIES:
-        if device_type not in s.devices or (s.opt_in and not autotune):
-            continue
-        if s.scope == "regions" and not has_regions:
-            continue
-        if s.compiled and s.scope == "model" and has_hooks:
-            continue
-        keep.append(s)
-    return keep
+    return [s for s in STRATEGIES
+            if device_type in s.devices and (autotune or not s.opt_in) and (has_regions or s.scope != "regions")
+            and not (has_hooks and s.compiled and s.scope == "model")]
 
 
 class Counter:
-    """A ``torch.compile`` backend that counts and times the graphs inductor builds."""
+    """The ``torch.compile`` backend of every compiled strategy: counts and times the graphs
+    inductor builds, so recompiles are seen whatever torch's logging says."""
 
     def __init__(self, mode: str | None) -> None:
         self.mode = mode
@@ -116,34 +108,28 @@ def has_forward_hooks(module: torch.nn.Module) -> bool:
 def repeated_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The layers of every ``ModuleList``/``Sequential`` holding two or more modules of one
     class (a transformer's layers, a ResNet stage's bottlenecks), outermost first."""
+    containers = (torch.nn.ModuleList, torch.nn.Sequential)
     found, seen = [], set()
     for module in model.modules():
-        if not isinstance(module, (torch.nn.ModuleList, torch.nn.Sequential)) or id(module) in seen:
+        if not isinstance(module, containers) or id(module) in seen:
             continue
         kids = list(module.children())
-        classes = {type(k) for k in kids}
-        if len(kids) >= 2 and len(classes) == 1 and not any(isinstance(k, (torch.nn.ModuleList, torch.nn.Sequential)) for k in kids):
+        if len(kids) >= 2 and len({type(k) for k in kids}) == 1 and not isinstance(kids[0], containers):
             found.extend(kids)
             seen.update(id(m) for k in kids for m in k.modules())
     return found
 
 
-def hook_free_regions(blocks: list[torch.nn.Module]) -> list[torch.nn.Module]:
-    """Each block, or where a block carries hooks, the largest hook-free modules inside it that
-    hold parameters (so a hook never runs inside a graph)."""
+def hook_free_regions(blocks) -> list[torch.nn.Module]:
+    """Each block that holds parameters, or where a block carries hooks, the largest hook-free
+    modules inside it that do (so a hook never runs inside a graph)."""
     regions = []
     for block in blocks:
-        regions.extend(_largest_hook_free(block))
+        if has_forward_hooks(block):
+            regions.extend(hook_free_regions(block.children()))
+        elif any(True for _ in block.parameters()):
+            regions.append(block)
     return regions
-
-
-def _largest_hook_free(module: torch.nn.Module) -> list[torch.nn.Module]:
-    if not has_forward_hooks(module):
-        return [module] if any(True for _ in module.parameters()) else []
-    found = []
-    for child in module.children():
-        found.extend(_largest_hook_free(child))
-    return found
 
 
 @dataclass

@@ -7,9 +7,7 @@ batches) and sets label ``-100`` at every sequence start, so no token learns to 
 first token of the next sequence. The keys it returns are the ones transformers' own
 flash-attention path reads (``position_ids``, ``cu_seq_lens_q/k``, ``max_length_q/k``), so a
 batch means the same thing to the stock model under flash-attention and to the varlen pass.
-
-:func:`best_fit_decreasing` is the separate repacking mode: it groups samples into batches of
-at most a token budget, to hand to a ``DataLoader`` as ``batch_sampler``.
+:func:`best_fit_decreasing` is the separate repacking mode (a ``batch_sampler``).
 """
 
 from __future__ import annotations
@@ -110,7 +108,8 @@ class FlattenCollator:
 
 
 def best_fit_decreasing(lengths: Sequence[int], token_budget: int) -> list[list[int]]:
-    """Group sample indices into bins of at most ``token_budget`` tokens (best-fit decreasing).
+    """Group sample indices into bins of at most ``token_budget`` tokens (best-fit decreasing), to
+    hand to a ``DataLoader`` as ``batch_sampler``.
 
     Longest first, each sample goes to the open bin it fills most tightly, or a new bin. Bins
     are returned fullest first, indices ascending in each; deterministic. A sample longer than

@@ -1,12 +1,10 @@
 """Decoder layers compiled around the varlen attention (``VarlenConfig(compile=True)``).
 
-On the packed row, everything in a decoder layer but attention is token-wise: norms, the
-projections, rotary embeddings, the gated MLP, residual adds. Eager PyTorch runs each
-element-wise op as its own pass over memory; ``torch.compile`` fuses them. Each layer's
-``forward`` becomes an instance-level wrapper that calls the layer's own forward compiled with
-dynamic shapes (one graph for every packed length), and the varlen attention in the middle
-stays eager: dynamo stops its graph there and resumes after it, so the per-sequence kernels
-and their host-side lengths never enter a graph.
+On the packed row everything in a decoder layer but attention is token-wise, and
+``torch.compile`` fuses those element-wise ops. Each layer's ``forward`` becomes an instance
+wrapper that calls its own forward compiled with dynamic shapes (one graph for every packed
+length); the varlen attention stays eager: dynamo stops its graph there and resumes after it,
+so the per-sequence kernels and their host-side lengths never enter a graph.
 
 The wrapper runs the eager forward instead:
 - for calls that do not come from the varlen forward (generation runs the original forward);
@@ -15,8 +13,7 @@ The wrapper runs the eager forward instead:
 - when the compiler cannot run here (no C++ compiler for the CPU, no triton for CUDA), found
   by compiling a one-line function on the layer's device once, with a warning.
 
-Results differ from eager by float rounding only (fused element-wise ops; ~1e-7 relative on
-llama-20m's loss). :func:`unfuse_layers` removes the wrappers.
+Results differ from eager by float rounding only (~1e-7 relative on llama-20m's loss).
 """
 
 from __future__ import annotations
@@ -45,12 +42,9 @@ class _FusedForward:
 
     def __call__(self, *args, **kwargs):
         hidden = args[0] if args else kwargs.get("hidden_states")
-        if (
-            "slipstream_varlen" not in kwargs  # the model's original forward (generation): eager
-            or not isinstance(hidden, torch.Tensor)
-            or has_forward_hooks(self.layer)
-            or compiler_problem(hidden.device.type) is not None
-        ):
+        if ("slipstream_varlen" not in kwargs  # the model's original forward (generation): eager
+                or not isinstance(hidden, torch.Tensor) or has_forward_hooks(self.layer)
+                or compiler_problem(hidden.device.type) is not None):
             self.calls["eager"] += 1
             return self.eager(*args, **kwargs)
         self.calls["compiled"] += 1

@@ -16,8 +16,7 @@ the original forward with the original attention implementation.
 
 The patch is an instance-level ``forward`` plus a switch of ``config._attn_implementation``
 to an attention function registered in transformers' ``AttentionInterface`` (its official
-extension point). It is idempotent, keeps the original forward reachable
-(``model._slipstream_varlen.original_forward``) and :func:`unpatch` restores the model exactly.
+extension point); the original forward stays reachable (``model._slipstream_varlen.original_forward``).
 transformers is imported lazily: this module works on the model object, duck-typed.
 """
 
@@ -31,8 +30,7 @@ from typing import Any, Iterator
 
 import torch
 
-from ..._common.patch import change, forget, patch
-from ..._common.patch import unpatch as unpatch_attribute
+from ..._common.patch import change, forget, patch, unpatch as unpatch_attribute
 from ..._common.settings import Settings
 from .attention import BACKENDS, VarlenContext, varlen_attention
 from .fuse import fuse_layers, unfuse_layers
@@ -298,8 +296,7 @@ def _varlen_backbone_forward(self, input_ids=None, attention_mask=None, position
 
 def _packed_loss(model, logits, packed, labels, shift_labels, num_items_in_batch):
     """The model's own causal-LM loss on the packed row, with no target across a boundary."""
-    starts = [s for s, n in zip(packed.offsets, packed.lengths) if n > 0]
-    starts_t = torch.tensor(starts, device=logits.device)
+    starts_t = torch.tensor([s for s, n in zip(packed.offsets, packed.lengths) if n > 0], device=logits.device)
     if labels is not None:
         labels = labels.index_fill(-1, starts_t, -100)
     if shift_labels is not None:

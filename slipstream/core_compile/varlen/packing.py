@@ -48,7 +48,6 @@ class PackedBatch:
             raise ValueError("indices and padded_shape come together (both or neither)")
         self.max_seqlen = max(self.lengths)
 
-    # ---- construction -------------------------------------------------------------------
     @classmethod
     def from_lengths(cls, lengths: Sequence[int], *, device: torch.device | str | None = None) -> "PackedBatch":
         """Metadata for sequences of ``lengths`` laid out back to back (no host sync)."""
@@ -117,7 +116,6 @@ class PackedBatch:
             raise ValueError("packed position_ids must count 0, 1, 2, ... within each sequence")
         return packed
 
-    # ---- use ----------------------------------------------------------------------------
     @property
     def total_tokens(self) -> int:
         return sum(self.lengths)
@@ -142,8 +140,7 @@ class PackedBatch:
         """``(batch, seq_len, *rest)`` -> ``(1, total_tokens, *rest)``: keep the real tokens."""
         if self.indices is None:
             raise ValueError("this packed batch was not built from a padded layout")
-        flat = padded.reshape(-1, *padded.shape[2:])
-        return flat.index_select(0, self.indices).unsqueeze(0)
+        return padded.reshape(-1, *padded.shape[2:]).index_select(0, self.indices).unsqueeze(0)
 
     def pad(self, packed: torch.Tensor, value: float = 0.0) -> torch.Tensor:
         """``(1, total_tokens, *rest)`` -> ``(batch, seq_len, *rest)``, ``value`` at padding."""
