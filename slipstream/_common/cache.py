@@ -1,14 +1,13 @@
 """Where slipstream keeps what it measured or built for the next run, and how it writes it.
 
-Every cache lives under one directory, ``$XDG_CACHE_HOME/slipstream`` (``~/.cache/slipstream``
-without it), one folder per kind (``tuner``, ``compile``, ``tokenizer``); a kind may have its own
-variable that overrides its folder (``SLIPSTREAM_TUNER_DIR``). Files are written atomically:
-a reader sees the old file or the new one, never half of one, whatever ranks or test workers
-write at the same time.
+Every cache lives under one directory (``cache_dir``), one folder per kind (``tuner``,
+``compile``, ``tokenizer``). Files are written atomically: a reader sees the old file or the
+new one, never half of one, whatever ranks or test workers write at the same time.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -41,20 +40,14 @@ def write_atomic(path: Path, write: Callable[[str], None]) -> None:
         write(tmp)
         os.replace(tmp, path)
     except BaseException:
-        try:
+        with contextlib.suppress(OSError):
             os.unlink(tmp)
-        except OSError:
-            pass
         raise
 
 
 def write_json(path: Path, data: Any) -> None:
     """``data`` as JSON at ``path``, atomically (see ``write_atomic``)."""
-    def dump(tmp: str) -> None:
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(data, f, indent=1, sort_keys=True)
-
-    write_atomic(path, dump)
+    write_atomic(path, lambda tmp: Path(tmp).write_text(json.dumps(data, indent=1, sort_keys=True), encoding="utf-8"))
 
 
 def read_json(path: Path) -> Any:

@@ -1,23 +1,17 @@
 """The one registry of what slipstream changes in other code, and its exact undo.
 
-Two kinds of entry, each with the part of slipstream that made it (its ``owner``):
+Each entry carries the part of slipstream that made it (its ``owner``):
 
-- an attribute patch, ``patch(target, name, replacement)``: idempotent (patching a patched
-  attribute again is a no-op), the original reachable as the replacement's ``__wrapped__``
-  where the replacement takes attributes, and an exact undo: an attribute the target held
-  itself is set back to the original, one it inherited (a method, a model's ``forward``
-  patched on one instance) is deleted again;
-- a change made another way, ``change(key, what, undo)``: torch's backend tables edited in
-  place, say; ``undo`` puts it back.
+- ``patch(target, name, replacement)``: idempotent, the original reachable as the
+  replacement's ``__wrapped__`` where the replacement takes attributes; the undo sets an
+  attribute the target held itself back to the original and deletes one it inherited (a
+  method, a model's ``forward`` patched on one instance);
+- ``change(key, what, undo)``: a change made another way (torch's backend tables edited in
+  place, say), which ``undo`` puts back.
 
-Every live entry is listed by ``patches()`` (what ``slipstream.status()`` shows) and undone by
-``uninstall_all()`` (what ``slipstream.disable()`` runs), newest first. Targets that can be
-weakly referenced (model instances) are not kept alive by the registry: an entry leaves with
-its target.
-
-    patch(deepspeed, "initialize", hooked, owner="deepspeed")
-    unpatch(deepspeed, "initialize")
-    uninstall_all("deepspeed")          # one owner's entries; no owner: every entry
+``patches()`` lists the live entries (``slipstream.status()``), ``uninstall_all()`` undoes them
+newest first (``slipstream.disable()``). A target that takes weak references (a model) is not
+kept alive by the registry: its entries leave with it.
 """
 
 from __future__ import annotations
@@ -49,32 +43,22 @@ class _Entry:
     what: str
     undo: Callable[[], None] | None = None
 
-    def describe(self) -> str:
-        return f"{self.owner}: {self.what}"
-
 
 _LIVE: dict[Hashable, _Entry] = {}  # (id(target), name), or a change's key -> the entry
 _LOCK = threading.RLock()
 
 
-def _reference(target, key) -> Callable[[], Any]:
+def _weakly(value, key=None) -> Callable[[], Any]:
+    """A weak reference to ``value`` (with ``key``: its entry leaves with it), else a strong one."""
     try:
-        return weakref.ref(target, lambda ref: _drop(key, ref))
+        return weakref.ref(value, None if key is None else (lambda ref: _drop(key, ref)))
     except TypeError:  # modules and classes take weak references; a few builtins do not
-        return lambda: target
-
-
-def _weakly(value) -> Callable[[], Any]:
-    try:
-        return weakref.ref(value)
-    except TypeError:
         return lambda: value
 
 
 def _drop(key, ref) -> None:
     with _LOCK:
-        entry = _LIVE.get(key)
-        if entry is not None and entry.ref is ref:
+        if getattr(_LIVE.get(key), "ref", None) is ref:
             del _LIVE[key]
 
 
@@ -95,11 +79,9 @@ def patch(target, name: str, replacement, *, owner: str) -> bool:
         key = (id(target), name)
         where = getattr(target, "__name__", None) or type(target).__name__
         held = _weakly(replacement) if not owned else (lambda: replacement)
-        _LIVE[key] = _Entry(_reference(target, key), name, original if owned else None, held, owned, owner,
+        _LIVE[key] = _Entry(_weakly(target, key), name, original if owned else None, held, owned, owner,
                             f"{where}.{name}")
         return True
-
-
 def unpatch(target, name: str) -> bool:
     """Undo ``patch`` exactly; False when ``target.name`` is not ours."""
     with _LOCK:
@@ -127,14 +109,13 @@ def change(key: Hashable, what: str, undo: Callable[[], None], *, owner: str, ta
     with _LOCK:
         if ("change", key) in _LIVE:
             return False
-        ref = _reference(target, ("change", key)) if target is not None else (lambda: None)
+        ref = _weakly(target, ("change", key)) if target is not None else (lambda: None)
         _LIVE["change", key] = _Entry(ref, "", None, lambda: None, False, owner, what, undo)
         return True
 
 
 def forget(key: Hashable, *, undo: bool = False) -> bool:
-    """Drop the change recorded under ``key`` (running its undo when ``undo``); False when
-    none is."""
+    """Drop the change recorded under ``key`` (running its undo when ``undo``); False if none is."""
     with _LOCK:
         found = _LIVE.pop(("change", key), None)
     if found is not None and undo:
@@ -145,7 +126,7 @@ def forget(key: Hashable, *, undo: bool = False) -> bool:
 def patches(owner: str | None = None) -> list[str]:
     """The live entries, oldest first: ``"deepspeed: deepspeed.initialize"``."""
     with _LOCK:
-        return [e.describe() for e in _LIVE.values() if owner is None or e.owner == owner]
+        return [f"{e.owner}: {e.what}" for e in _LIVE.values() if owner is None or e.owner == owner]
 
 
 def uninstall_all(owner: str | None = None) -> None:
@@ -155,7 +136,5 @@ def uninstall_all(owner: str | None = None) -> None:
     for key, entry in found:
         if entry.undo is not None:
             forget(key[1], undo=True)
-            continue
-        target = entry.ref()
-        if target is not None:
+        elif (target := entry.ref()) is not None:
             unpatch(target, entry.name)

@@ -1,10 +1,7 @@
-"""What slipstream did in this process, as the parts that did it record it: which stacks an
-adapter engaged (or left stock, and why), the warnings given, and the switch (who turned
-slipstream on). ``slipstream.status()`` reads it; the start line is printed by a listener the
-api registers (``on_start``), so that no lower layer calls up to print.
-
-While an adapter sets a job up (``deferred()``), communicators built on the way do not start
-the job; the adapter calls ``start(by_adapter=True)`` when done, so the line names its work.
+"""What slipstream did in this process, recorded by the parts that did it: the stacks an adapter
+engaged (or left stock, and why), the warnings given, and the switch (who turned slipstream on).
+``slipstream.status()`` reads it; the start line is printed by a listener the api registers
+(``on_start``), so that no lower layer calls up to print.
 """
 
 from __future__ import annotations
@@ -12,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 __all__ = ["deferred", "note_stack", "on_start", "stacks", "start", "switch", "warn_once", "warnings"]
@@ -19,31 +17,27 @@ __all__ = ["deferred", "note_stack", "on_start", "stacks", "start", "switch", "w
 log = logging.getLogger("slipstream")
 
 
+@dataclass(slots=True, eq=False)
 class Switch:
     """Who turned slipstream on in this process (``enable()``, ``SLIPSTREAM=1``; empty: off),
     and the collectives' settings given in code (``enable(config)``; None: none given)."""
 
-    __slots__ = ("source", "config")
-
-    def __init__(self) -> None:
-        self.source = ""
-        self.config = None
+    source: str = ""
+    config: Any = None
 
     @property
     def on(self) -> bool:
         return bool(self.source)
 
 
+@dataclass(slots=True, eq=False)
 class _Record:
-    __slots__ = ("stacks", "warnings", "started", "deferred", "listeners", "lock")
-
-    def __init__(self) -> None:
-        self.stacks: dict[str, dict] = {}
-        self.warnings: list[str] = []
-        self.started = False
-        self.deferred = 0  # > 0 while an adapter sets a job up
-        self.listeners: list[Callable[[], None]] = []
-        self.lock = threading.Lock()
+    stacks: dict[str, dict] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+    started: bool = False
+    deferred: int = 0  # > 0 while an adapter sets a job up
+    listeners: list[Callable[[], None]] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 _RECORD = _Record()
@@ -96,7 +90,8 @@ def start(*, by_adapter: bool = False) -> None:
 
 @contextlib.contextmanager
 def deferred():
-    """While an adapter sets a job up, communicators it builds do not start the job."""
+    """While an adapter sets a job up, communicators it builds do not start the job; it calls
+    ``start(by_adapter=True)`` when done, so that the start line names its work."""
     with _RECORD.lock:
         _RECORD.deferred += 1
     try:

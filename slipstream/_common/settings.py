@@ -2,17 +2,17 @@
 a file of that section (``SLIPSTREAM_CONFIG``), or ``SLIPSTREAM_<FIELD>`` variables.
 
 Every settings class (``CommConfig``, ``VarlenConfig``, ``CompileConfig``, ``SlipstreamConfig``)
-is a frozen dataclass that derives from ``Settings``: ``from_dict`` checks the keys and the type
-of each value against the field's annotation, and every error names the bad key
-(``slipstream.comm.slot_bytes``), the variable (``SLIPSTREAM_CHUNK_BYTES='100'``) or the file.
-``to_dict`` writes a settings object back as JSON-able data (``slipstream.status()``,
-``slipstream env --json``). Booleans in the environment take 1/0, true/false, yes/no, on/off.
+is a frozen dataclass deriving from ``Settings``: ``from_dict`` checks the keys and each value's
+type against the field's annotation, every error naming the bad key (``slipstream.comm.slot_bytes``),
+the variable (``SLIPSTREAM_CHUNK_BYTES='100'``) or the file; ``to_dict`` writes the settings back
+as JSON-able data. Booleans in the environment take 1/0, true/false, yes/no, on/off.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import os
 import types
 import typing
@@ -91,27 +91,19 @@ class Settings:
 
     def to_dict(self) -> dict:
         """Every field, nested settings as dicts, tuples as lists."""
-        out = {}
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, Settings):
-                value = value.to_dict()
-            elif isinstance(value, tuple):
-                value = list(value)
-            out[f.name] = value
-        return out
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return {name: value.to_dict() if isinstance(value, Settings) else list(value) if isinstance(value, tuple)
+                else value for name, value in values.items()}
 
 
 def _field_kinds(cls) -> dict[str, tuple]:
     """Field name -> the types its annotation allows (``NoneType`` included for optionals)."""
     hints = typing.get_type_hints(cls)
     kinds = {}
-    for f in dataclasses.fields(cls):
-        if not f.init:
-            continue
+    for f in filter(lambda f: f.init, dataclasses.fields(cls)):
         hint = hints[f.name]
-        args = typing.get_args(hint) if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union else ()
-        kinds[f.name] = tuple(args) if args else (typing.get_origin(hint) or hint,)
+        union = isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union
+        kinds[f.name] = typing.get_args(hint) if union else (typing.get_origin(hint) or hint,)
     return kinds
 
 
@@ -163,8 +155,6 @@ def read_section_file(path: str | os.PathLike) -> Mapping:
 
             data = yaml.safe_load(text)
         else:
-            import json
-
             data = json.loads(text)
     except Exception as e:  # noqa: BLE001 - JSON or YAML syntax
         raise ValueError(f"{CONFIG_VAR}={path}: not valid {'YAML' if yaml_file else 'JSON'}: {e}") from None
