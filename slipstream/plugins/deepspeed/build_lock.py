@@ -1,30 +1,23 @@
-"""Torch extension build locks that cannot hang a job.
+"""Torch extension build locks that cannot hang a job (docs/deepspeed.md, "A stale build lock").
 
-torch builds a JIT extension (DeepSpeed's CPU shared-memory op ``deepspeed_shm_comm``, loaded
-by every DeepSpeed job) under a lock file, ``<build directory>/lock``
-(``torch.utils.file_baton.FileBaton``): the process that creates the file builds, every other
-waits while the file exists, forever and in silence. A process killed while it holds the lock
-(Ctrl-C, a launcher's SIGTERM then SIGKILL, preemption) leaves the file behind, and every later
-job on the machine hangs. The DeepSpeed adapter patches the baton (``install``, undone
-exactly by ``uninstall``):
+torch builds a JIT extension (DeepSpeed's shm op, loaded by every DeepSpeed job) under
+``<build directory>/lock`` (``torch.utils.file_baton.FileBaton``); every other process waits
+while the file exists, forever and in silence, so a process killed while it holds the lock
+hangs every later job on the machine. ``install`` patches the baton (``uninstall`` undoes it):
 
-- ``try_acquire`` writes a mark into the lock it created (torch ignores the content): this
-  process's pid, its start time (which tells a reused pid apart) and the host. A marked lock
-  whose process is gone is known stale and known made under slipstream: it is removed and
-  acquired again, so the job builds the op (ninja finds it up to date) or loads it.
-- ``wait`` is bounded. A lock is live while its marked process lives or, unmarked, while a
-  process works in the build directory (ninja and the compilers run there) or something there
-  changed in the last ``quiet_s``. A stale marked lock is removed; a stale unmarked one is
-  never removed (nothing slipstream did not create is deleted): the built op is loaded with a
-  warning or, not built, the job fails naming the lock and how to clear it. A lock that stays
-  live is waited on for at most ``max_wait_s``.
+- ``try_acquire`` marks the lock it created (``Mark``; torch ignores the content). A marked
+  lock whose process is gone is removed and acquired again: the job builds the op (ninja finds
+  it up to date) or loads it.
+- ``wait`` is bounded (``LockPolicy``, the rules in ``judge``). A stale unmarked lock is never
+  removed (nothing slipstream did not create is deleted): the built op is loaded with a
+  warning or, not built, the job fails naming the lock and how to clear it.
 
-``remove_locks_of(pids)`` is the launcher's cleanup after a job: it removes the locks marked by
-those processes once they are gone.
+``remove_locks_of(pids)`` is a launcher's cleanup of its gone ranks' locks.
 """
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import fcntl
 import functools
@@ -32,6 +25,7 @@ import glob
 import logging
 import os
 import socket
+import sys
 import time
 from dataclasses import dataclass
 from typing import Collection, Mapping
@@ -128,36 +122,6 @@ def judge(mark: Mark | None, *, host: str, holder_alive: bool, busy: bool, quiet
     return Verdict.LOAD if built else Verdict.FAIL
 
 
-@dataclass(frozen=True)
-class _Seen:
-    """One look at a lock: its mark and the facts ``judge`` weighs."""
-
-    path: str
-    mark: Mark | None
-    holder_alive: bool
-    busy: bool
-    quiet_for: float
-    built: bool
-
-    @classmethod
-    def look(cls, path: str) -> "_Seen":
-        directory = os.path.dirname(path)
-        mark = _read_mark(path)
-        return cls(path, mark, mark is not None and mark.holder_alive(), _busy(directory),
-                   time.time() - _last_change(directory), os.path.exists(_library(directory)))
-
-    def verdict(self, policy: LockPolicy) -> Verdict:
-        return judge(self.mark, host=socket.gethostname(), holder_alive=self.holder_alive, busy=self.busy,
-                     quiet_for=self.quiet_for, built=self.built, quiet_s=policy.quiet_s)
-
-    def why_live(self) -> str:
-        if self.mark is not None and self.holder_alive:
-            return f"held by process {self.mark.pid}"
-        if self.busy:
-            return "a process works in its directory"
-        return f"its directory changed {self.quiet_for:.0f} s ago"
-
-
 def _start_time(pid: int) -> int | None:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -193,16 +157,12 @@ def _busy(directory: str) -> bool:
 def _last_change(directory: str) -> float:
     """The newest modification time of the directory and its entries (wall clock)."""
     times = []
-    try:
+    with contextlib.suppress(OSError):
         times.append(os.stat(directory).st_mtime)
         with os.scandir(directory) as entries:
             for entry in entries:
-                try:
+                with contextlib.suppress(OSError):  # removed meanwhile
                     times.append(entry.stat(follow_symlinks=False).st_mtime)
-                except OSError:  # removed meanwhile
-                    pass
-    except OSError:
-        pass
     return max(times, default=0.0)
 
 
@@ -211,10 +171,11 @@ def _library(directory: str) -> str:
     return os.path.join(directory, os.path.basename(os.path.normpath(directory)) + ".so")
 
 
-def _remove_if_stale(path: str) -> bool:
-    """Remove ``path`` if it is marked by a process of this host that is gone. Under a flock of
-    the directory, so that two processes that both saw the stale lock cannot remove the fresh
-    one the first of them made after removing it. False when not removed."""
+def _remove_if_stale(path: str, *, warn: bool = False) -> bool:
+    """Remove ``path`` if it is marked by a process of this host that is gone (with a warning
+    when ``warn``); False when not removed. Under a flock of the directory, so that two processes
+    that both saw the stale lock cannot remove the fresh one the first of them made after
+    removing it."""
     try:
         fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
     except OSError:
@@ -225,17 +186,14 @@ def _remove_if_stale(path: str) -> bool:
         mark = _read_mark(path)
         if mark is None or mark.host != socket.gethostname() or mark.holder_alive():
             return False
-        try:
-            os.remove(path)
-        except FileNotFoundError:
-            return False
-        return True
+        os.remove(path)
+    except FileNotFoundError:
+        return False
     finally:
         os.close(fd)  # releases the flock
-
-
-def _removed(path: str) -> None:
-    warn_once(f"removed the stale torch extension build lock {path}: the process that made it is gone")
+    if warn:
+        warn_once(f"removed the stale torch extension build lock {path}: the process that made it is gone")
+    return True
 
 
 def _flock(fd: int, timeout: float) -> bool:
@@ -250,32 +208,19 @@ def _flock(fd: int, timeout: float) -> bool:
             time.sleep(0.01)
 
 
-def _write_mark(path: str) -> None:
-    mark = Mark.of_process(os.getpid())
-    if mark is None:
-        return
-    try:
-        fd = os.open(path, os.O_WRONLY)  # never O_CREAT: only into the lock this process made
-    except OSError:
-        return
-    try:
-        os.write(fd, mark.text().encode())
-    finally:
-        os.close(fd)
-
-
 def try_acquire(baton, original) -> bool:
     """``FileBaton.try_acquire``, marking the lock it makes and replacing a stale marked one."""
-    if original(baton):
-        _write_mark(baton.lock_file_path)
-        return True
-    if not _remove_if_stale(baton.lock_file_path):
+    path = baton.lock_file_path
+    if not (original(baton) or (_remove_if_stale(path, warn=True) and original(baton))):
         return False
-    _removed(baton.lock_file_path)
-    if original(baton):
-        _write_mark(baton.lock_file_path)
+    mark = Mark.of_process(os.getpid())
+    try:
+        f = open(path, "r+")  # never created here: only into the lock this process made
+    except OSError:
         return True
-    return False
+    with f:
+        f.write(mark.text() if mark is not None else "")
+    return True
 
 
 def wait(baton, policy: LockPolicy | None = None) -> None:
@@ -283,35 +228,39 @@ def wait(baton, policy: LockPolicy | None = None) -> None:
     ``RuntimeError`` naming the lock when it cannot be."""
     policy = policy or LockPolicy.from_env()
     path = baton.lock_file_path
-    started = time.monotonic()
-    told = False
+    directory = os.path.dirname(path)
+    started, told = time.monotonic(), False
     while os.path.exists(path):
-        seen = _Seen.look(path)
-        verdict = seen.verdict(policy)
+        mark = _read_mark(path)
+        alive = mark is not None and mark.holder_alive()
+        busy, quiet_for = _busy(directory), time.time() - _last_change(directory)
+        built = os.path.exists(_library(directory))
+        verdict = judge(mark, host=socket.gethostname(), holder_alive=alive, busy=busy, quiet_for=quiet_for,
+                        built=built, quiet_s=policy.quiet_s)
         if verdict is Verdict.LOAD:
             warn_once(f"the torch extension build lock {path} is stale (no process works in its directory, "
-                      f"nothing changed there for {seen.quiet_for:.0f} s); the built op is loaded. "
+                      f"nothing changed there for {quiet_for:.0f} s); the built op is loaded. "
                       f"Remove it when no build is running: rm {path}")
             return
         if verdict is Verdict.FAIL:
             raise RuntimeError(f"the torch extension build lock {path} is stale and the op it guards is not "
-                               f"built ({_library(os.path.dirname(path))} is missing): a build killed before it "
+                               f"built ({_library(directory)} is missing): a build killed before it "
                                f"finished left it. If no build is running on this machine: rm {path}")
-        if verdict is Verdict.REMOVE and _remove_if_stale(path):
-            _removed(path)
-            if not seen.built:  # torch only loads after a wait: nothing to load
-                raise RuntimeError(f"process {seen.mark.pid} died while it built the torch extension in "
-                                   f"{os.path.dirname(path)}; slipstream removed its lock {path}. Run the job "
-                                   "again to build it.")
+        if verdict is Verdict.REMOVE and _remove_if_stale(path, warn=True):
+            if not built:  # torch only loads after a wait: nothing to load
+                raise RuntimeError(f"process {mark.pid} died while it built the torch extension in "
+                                   f"{directory}; slipstream removed its lock {path}. Run the job again to build it.")
             return
+        why = (f"held by process {mark.pid}" if alive else "a process works in its directory" if busy
+               else f"its directory changed {quiet_for:.0f} s ago")
         waited = time.monotonic() - started
         if waited > policy.max_wait_s:
             raise RuntimeError(f"waited {policy.max_wait_s:.0f} s for the torch extension build lock {path}, "
-                               f"still live ({seen.why_live()}). If no build is running: rm {path}; "
+                               f"still live ({why}). If no build is running: rm {path}; "
                                f"{WAIT_VAR} sets how long to wait.")
         if not told and waited > _TELL_AFTER_S:
             log.warning("slipstream: waiting for the torch extension build lock %s (%s), at most %.0f s",
-                        path, seen.why_live(), policy.max_wait_s)
+                        path, why, policy.max_wait_s)
             told = True
         time.sleep(policy.poll_s)
 
@@ -327,8 +276,6 @@ def install() -> None:
 
 
 def uninstall() -> None:
-    import sys
-
     file_baton = sys.modules.get("torch.utils.file_baton")
     if file_baton is not None:
         for name in ("try_acquire", "wait"):
