@@ -3,28 +3,15 @@ enabled by a top-level ``"slipstream"`` section of the DeepSpeed config.
 
     engine, optimizer, loader, scheduler = slipstream.deepspeed.initialize(model=..., config=...)
 
-or ``slipstream.enable()`` before a plain ``deepspeed.initialize``. Needs the ``deepspeed``
-extra: ``pip install "slipstream[deepspeed]"``. ``translate`` (DeepSpeed's terms for
-slipstream's settings) imports no DeepSpeed; the rest is loaded on first use and says which
-extra to install when DeepSpeed is missing.
+or ``slipstream.enable()`` before a plain ``deepspeed.initialize``. ``translate`` imports no
+DeepSpeed; the rest is loaded on first use and, without DeepSpeed, names the extra to install.
 """
 
 import importlib
 
-__all__ = [
-    "CommBackend",
-    "initialize",
-    "install",
-    "install_comm",
-    "installed_backend",
-    "load_ds_config",
-    "uninstall",
-    "uninstall_comm",
-]
-
-_WHERE = {"CommBackend": "comm_backend", "install_comm": "comm_backend", "installed_backend": "comm_backend",
-          "uninstall_comm": "comm_backend",
-          "initialize": "engine", "install": "engine", "load_ds_config": "engine", "uninstall": "engine"}
+_WHERE = {**dict.fromkeys(["CommBackend", "install_comm", "installed_backend", "uninstall_comm"], "comm_backend"),
+          **dict.fromkeys(["initialize", "install", "load_ds_config", "uninstall"], "engine")}
+__all__ = sorted(_WHERE)
 
 
 def __getattr__(name: str):

@@ -1,13 +1,12 @@
 """DeepSpeed's collectives through the core: a stand-in for ``deepspeed.comm``'s backend.
 
 Every collective DeepSpeed issues goes through one module-level backend object,
-``deepspeed.comm.comm.cdb`` (ZeRO-1/2: gradient ``all_reduce``, or ``reduce_scatter_tensor``
-with ``zero.py``'s patch, parameter ``all_gather_into_tensor``; ZeRO-3: async
-``all_gather_into_tensor`` handles with ``.wait()``, ``reduce_scatter_tensor`` of gradients,
-fp64 ``all_reduce`` of norms). The
-stand-in answers those three through the core's communicator of the call's group (the pool's,
-running the tuner's plan) and hands every other attribute to the original object, which stays
-reachable as ``__wrapped__``. DeepSpeed's files are not edited.
+``deepspeed.comm.comm.cdb``: ZeRO-1/2 gradient ``all_reduce`` (``reduce_scatter_tensor`` with
+``zero.py``'s patch) and parameter ``all_gather_into_tensor``; ZeRO-3 async
+``all_gather_into_tensor`` handles with ``.wait()``, ``reduce_scatter_tensor`` of gradients and
+fp64 ``all_reduce`` of norms. The stand-in answers those three through the core's communicator
+of the call's group (the pool's, running the tuner's plan) and hands every other attribute to
+the original object, reachable as ``__wrapped__``. DeepSpeed's files are not edited.
 """
 
 from __future__ import annotations

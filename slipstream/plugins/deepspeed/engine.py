@@ -13,6 +13,7 @@ import inspect
 import json
 import logging
 import os
+import sys
 
 from ..._common import record
 from ..._common.record import deferred, note_stack, warn_once
@@ -31,9 +32,7 @@ log = logging.getLogger("slipstream.deepspeed")
 
 def load_ds_config(config=None, args=None, config_params=None) -> dict:
     """The DeepSpeed config as a dict, from where ``deepspeed.initialize`` would read it."""
-    source = config if config is not None else config_params
-    if source is None and args is not None:
-        source = getattr(args, "deepspeed_config", None)
+    source = next((s for s in (config, config_params, getattr(args, "deepspeed_config", None)) if s is not None), None)
     if source is None:
         return {}
     if isinstance(source, dict):
@@ -173,21 +172,14 @@ def install() -> None:
     import deepspeed
 
     build_lock.install()
-
     original = deepspeed.initialize
-
-    @functools.wraps(original)
-    def hooked(*args, **kwargs):
-        return _initialize(original, args, kwargs)
-
+    hooked = functools.wraps(original)(lambda *args, **kwargs: _initialize(original, args, kwargs))
     patch(deepspeed, "initialize", hooked, owner="deepspeed")
 
 
 def uninstall() -> None:
     """Restore ``deepspeed.initialize``, torch's build lock, DeepSpeed's own comm backend and
     every optimizer patched in this process exactly."""
-    import sys
-
     build_lock.uninstall()
     deepspeed = sys.modules.get("deepspeed")
     if deepspeed is None:

@@ -1,18 +1,17 @@
 """ZeRO-1/2 gradient buckets reduced to their owners instead of to every rank.
 
-DeepSpeed's stage 1/2 optimizer reduces a bucket of gradient slices with an ``all_reduce``
-and then keeps, on each rank, only the slices of its own partition
-(``allreduce_and_copy_with_multiple_ranks``). Every rank receives the whole reduced bucket and
-discards three quarters of it (4 ranks). A reduce-scatter gives each rank exactly its
-slices: across nodes half the bytes of the allreduce, which is the step's largest transfer.
+DeepSpeed's stage 1/2 optimizer all-reduces a bucket of gradient slices and then keeps, on each
+rank, only the slices of its own partition (``allreduce_and_copy_with_multiple_ranks``): every
+rank receives the whole bucket and discards three quarters of it (4 ranks). A reduce-scatter
+gives each rank exactly its slices: across nodes half the bytes of the all-reduce, the step's
+largest transfer.
 
-The patch lays the bucket out owner by owner (each owner's slices one after the other, in
-DeepSpeed's order, zero-padded to the largest owner's size), reduce-scatters that through
-``deepspeed.comm`` (so through the core when its backend is installed) and copies the owned
-slices back exactly where DeepSpeed would. Anything else (several owners of one slice,
-communication in another dtype, sequence parallelism, owners too unequal to pad cheaply)
-goes to DeepSpeed's own method. The patch is set on the optimizer instance only: idempotent,
-and ``unpatch_zero_optimizer`` (or the plugin's ``uninstall``) removes it.
+The patch (on the optimizer instance only, idempotent; ``unpatch_all`` or the plugin's
+``uninstall`` removes it) lays the bucket out owner by owner (in DeepSpeed's order, zero-padded
+to the largest owner's size), reduce-scatters it through ``deepspeed.comm`` (so through the core
+when its backend is installed) and copies the owned slices back exactly where DeepSpeed would.
+Anything else (several owners of one slice, communication in another dtype, sequence
+parallelism, owners too unequal to pad cheaply) goes to DeepSpeed's own method.
 
 On 2 emulated nodes x 2 ranks over 1 Gbit/s, 64 MiB: reduce-scatter 328 ms against 592 ms
 for the allreduce (``slipstream bench comm``, benchmarks/results/finetune_*.md).
@@ -24,9 +23,9 @@ import functools
 
 import torch
 
-from ..._common.patch import is_patched as _is_patched, patch, uninstall_all, unpatch
+from ..._common.patch import is_patched as _is_patched, patch, uninstall_all
 
-__all__ = ["patch_zero_optimizer", "unpatch_zero_optimizer", "unpatch_all", "is_patched", "owner_layout"]
+__all__ = ["patch_zero_optimizer", "unpatch_all", "is_patched", "owner_layout"]
 
 _METHOD = "allreduce_and_copy_with_multiple_ranks"
 _OWNER = "deepspeed-zero"  # this module's patches, apart from the rest of the adapter's
@@ -114,11 +113,6 @@ def patch_zero_optimizer(optimizer) -> bool:
         return False
     patch(optimizer, _METHOD, functools.partial(_reduce_to_owners, optimizer), owner=_OWNER)
     return True
-
-
-def unpatch_zero_optimizer(optimizer) -> None:
-    """Give ``optimizer`` back DeepSpeed's method (no-op when not patched)."""
-    unpatch(optimizer, _METHOD)
 
 
 def unpatch_all() -> None:
