@@ -1,15 +1,8 @@
 """FSDP1 (``FullyShardedDataParallel``): the sharded gradient reduce-scatter through the core,
-as a communication hook with FSDP's own pre- and post-division.
-
-    from torch.distributed.algorithms._comm_hooks import default_hooks
-    model.register_comm_hook(default_hooks.DefaultState(process_group), slipstream_fsdp1_hook)
-
-or ``register(model)``, which does that for the model's group. The hook is torch's
-``reduce_scatter_hook`` with the reduce-scatter handed to the core's communicator of the
-group; for a strategy without sharding (``NO_SHARD``, ``output`` is None) it all-reduces, as
-torch's ``allreduce_hook`` does. The parameter all-gathers go through the group's backend
-(the core, when the group is on ``slipstream``). torch cannot remove a registered hook, so
-``register`` records one in the patch registry whose undo (``slipstream.disable``) sends the
+as a comm hook with FSDP's own pre- and post-division: torch's ``reduce_scatter_hook`` (or, for
+``NO_SHARD``, ``allreduce_hook``) with the collective handed to the core's communicator of the
+group. The parameter all-gathers go through the group's backend. torch cannot remove a
+registered hook, so ``register`` records a change whose undo (``slipstream.disable``) sends the
 hook's calls to torch's own default hooks from then on.
 """
 

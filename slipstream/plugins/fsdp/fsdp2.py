@@ -1,26 +1,17 @@
 """FSDP2's parameter all-gathers and gradient reduce-scatters through the core, on the group
-the user's model already runs on (gloo, NCCL, or slipstream's own backend).
-
-    from torch.distributed.fsdp import fully_shard
-    fully_shard(layer) ...; fully_shard(model)
-    slipstream.fsdp.apply(model)      # every FSDP module of ``model``; idempotent
-    slipstream.fsdp.remove(model)     # the comms FSDP had before, exactly
+the user's model already runs on (gloo, NCCL, or slipstream's own backend; docs/fsdp.md).
 
 The extension point is torch's own: ``FSDPModule.set_custom_all_gather`` /
-``set_custom_reduce_scatter`` (torch >= 2.8). Each call goes to the communicator of the group
-FSDP passes (``core_comm.pool``, built on the first call: every rank of the group is in it),
-which runs it on shared memory (one node) or hierarchically (several), or sends it to the
-group's own collective when the routing rule refuses it (an op or dtype it does not take), so
-numbers are never the core's guess. Asynchronous all-gathers come back as a
-``torch.distributed.Work`` (FSDP's prefetch waits on it). A module whose FSDP state has
-several parameter groups (a per-parameter mesh) is left on the stock comms, with one warning
-naming it.
+``set_custom_reduce_scatter`` (torch >= 2.8). Each call goes to the pool's communicator of the
+group FSDP passes (built on the first call: every rank of the group is in it), which sends it
+to the group's own collective when the routing rule refuses it. Asynchronous calls come back
+as a ``torch.distributed.Work`` (FSDP's prefetch waits on it). A module whose FSDP state has
+several parameter groups (a per-parameter mesh) stays on the stock comms, with one warning.
 """
 
 from __future__ import annotations
 
 import functools
-import logging
 import weakref
 
 import torch
@@ -32,8 +23,6 @@ from ..._common.record import note_stack, warn_once
 from ..._common.patch import change, forget, patch, unpatch
 
 __all__ = ["apply", "remove", "SlipstreamAllGather", "SlipstreamReduceScatter", "is_applied"]
-
-log = logging.getLogger("slipstream.fsdp")
 
 _ORIGINALS = "_slipstream_fsdp_comms"  # on each switched module: its param groups' comms before
 
@@ -51,28 +40,22 @@ def _api():
 def _classes():
     _, AllGather, ReduceScatter = _api()
 
-    class SlipstreamAllGather(AllGather):
+    class _Core:
+        def __init__(self, config: CommConfig | None = None) -> None:
+            self.config = config
+
+        def allocate(self, size, *, dtype, device):
+            return torch.empty(*size, dtype=dtype, device=device)
+
+    class SlipstreamAllGather(_Core, AllGather):
         """FSDP2's parameter all-gather through the core's communicator of FSDP's group."""
 
-        def __init__(self, config: CommConfig | None = None) -> None:
-            self.config = config
-
-        def allocate(self, size, *, dtype, device):
-            return torch.empty(*size, dtype=dtype, device=device)
-
         def __call__(self, output_tensor, input_tensor, group, async_op=False):
-            comm = pool.get(group, config=self.config)
-            work = comm.all_gather(output_tensor, input_tensor, async_op=async_op)
+            work = pool.get(group, config=self.config).all_gather(output_tensor, input_tensor, async_op=async_op)
             return work.returning([output_tensor]) if async_op else None
 
-    class SlipstreamReduceScatter(ReduceScatter):
+    class SlipstreamReduceScatter(_Core, ReduceScatter):
         """FSDP2's gradient reduce-scatter (AVG, SUM, PREMUL_SUM) through the core."""
-
-        def __init__(self, config: CommConfig | None = None) -> None:
-            self.config = config
-
-        def allocate(self, size, *, dtype, device):
-            return torch.empty(*size, dtype=dtype, device=device)
 
         def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
             comm = pool.get(group, config=self.config)
@@ -99,12 +82,11 @@ def apply(model: torch.nn.Module, config: CommConfig | None = None) -> list[str]
     if config is not None and not isinstance(config, CommConfig):
         raise TypeError(f"config must be a CommConfig, got {type(config).__name__}")
     gather_cls, scatter_cls = _classes()
+    modules = [(name, module) for name, module in model.named_modules() if isinstance(module, FSDPModule)]
+    if not modules:
+        raise ValueError(f"{type(model).__name__} has no FSDP2 module: call fully_shard on it (and its layers) first")
     switched = []
-    found = False
-    for name, module in model.named_modules():
-        if not isinstance(module, FSDPModule):
-            continue
-        found = True
+    for name, module in modules:
         label = name or type(module).__name__
         if _ORIGINALS in vars(module):
             switched.append(label)
@@ -123,8 +105,6 @@ def apply(model: torch.nn.Module, config: CommConfig | None = None) -> list[str]
             if replicate is not None:
                 _HSDP.route(replicate, config)
         switched.append(label)
-    if not found:
-        raise ValueError(f"{type(model).__name__} has no FSDP2 module: call fully_shard on it (and its layers) first")
     if switched:
         ref = weakref.ref(model)
         change(("fsdp2", id(model)), f"{type(model).__name__}: FSDP2 all-gathers and reduce-scatters through the core",
@@ -150,11 +130,8 @@ def remove(model: torch.nn.Module) -> None:
 
 class _HsdpAllReduce:
     """HSDP's all-reduce across replicas is a plain ``dist.all_reduce`` inside FSDP2's
-    ``_fsdp_collectives`` (no custom-comm hook for it in torch 2.13). That module's ``dist``
-    is replaced by a view of ``torch.distributed`` whose ``all_reduce`` sends the replicate
-    groups of switched modules to the core; every other call and group is torch's own. The
-    view is installed with the first HSDP module switched and removed with the last
-    (``_common.patch``: exact undo)."""
+    ``_fsdp_collectives`` (no custom-comm hook for it in torch 2.13): that module's ``dist``
+    becomes a ``_DistView`` from the first HSDP module switched to the last (an exact undo)."""
 
     def __init__(self) -> None:
         self.groups: dict[int, list] = {}  # id(group) -> [group, config, modules switched on it]
@@ -181,7 +158,8 @@ class _HsdpAllReduce:
 
 
 class _DistView:
-    """``torch.distributed`` with ``all_reduce`` of the routed groups through the core."""
+    """``torch.distributed`` with ``all_reduce`` of the routed groups through the core; every
+    other call and group is torch's own."""
 
     def __init__(self, routes: _HsdpAllReduce) -> None:
         self._routes = routes
