@@ -7,9 +7,8 @@ from __future__ import annotations
 import argparse
 
 from .plugins.megatron import (add_arguments, chain, disable_compile, disable_packed_attention, enable_compile,
-                               enable_packed_attention, local_spec, pack_batch, packed_attention, process_groups,
-                               restore_process_groups)
-from .plugins.megatron import adapter as _adapter
+                               enable_packed_attention, local_spec, name_backend, pack_batch, packed_attention,
+                               process_groups, read_arguments, restore_process_groups)
 from .switch import enable
 
 __all__ = ["PackedDotProductAttention", "add_arguments", "chain", "disable_compile", "disable_packed_attention",
@@ -22,11 +21,11 @@ def initialize(args: argparse.Namespace) -> bool:
     torch.distributed. Returns whether slipstream's collectives are on: with ``--slipstream``,
     slipstream is enabled (with ``--slipstream-config``'s ``"comm"`` settings) and the backend
     Megatron-LM names becomes ``slipstream`` for CPU tensors (CUDA keeps NCCL)."""
-    on, settings = _adapter.read_arguments(args)
+    on, settings = read_arguments(args)
     if not on:
         return False
     enable(settings.comm if settings is not None else None, source="--slipstream")
-    _adapter.name_backend(args)
+    name_backend(args)
     return True
 
 

@@ -2,23 +2,13 @@
 hook (``adapter.py``), and packed (THD) sequences for the local attention (``packed.py``).
 Needs the ``megatron`` extra (``megatron-core``), imported lazily."""
 
-from .adapter import (
-    add_arguments,
-    chain,
-    disable_compile,
-    enable_compile,
-    install,
-    name_backend,
-    read_arguments,
-    process_groups,
-    restore_process_groups,
-    uninstall,
-)
+from .adapter import (add_arguments, chain, disable_compile, enable_compile, install, name_backend, process_groups,
+                      read_arguments, restore_process_groups, uninstall)
 from .packed import disable_packed_attention, enable_packed_attention, local_spec, pack_batch, packed_attention
 
 __all__ = ["PackedDotProductAttention", "add_arguments", "chain", "disable_compile", "disable_packed_attention",
-           "enable_compile", "enable_packed_attention", "install", "name_backend", "read_arguments", "local_spec", "pack_batch",
-           "packed_attention", "process_groups", "restore_process_groups", "uninstall"]
+           "enable_compile", "enable_packed_attention", "install", "local_spec", "name_backend", "pack_batch",
+           "packed_attention", "process_groups", "read_arguments", "restore_process_groups", "uninstall"]
 
 
 def __getattr__(name: str):

@@ -1,44 +1,28 @@
-"""Megatron-core's tensor- and data-parallel collectives through the core.
+"""Megatron-core's tensor- and data-parallel collectives through the core (docs/megatron.md).
 
-Three ways in, for the three ways Megatron users start:
-
-- megatron-core users who call ``init_process_group`` themselves: ``slipstream.enable()``
-  before it. Groups made by ``parallel_state.initialize_model_parallel`` inherit the default
-  backend, so TP and DP collectives (Megatron DDP's coalesced bucket all-reduce included)
-  reach the core with no patch. ``install()`` (run when ``megatron.core`` is imported after
-  ``enable()``) checks once, after ``initialize_model_parallel``, that the groups are on
-  slipstream, and warns naming the group when one is not.
-- Megatron-LM users: ``add_arguments`` as (or chained into) ``extra_args_provider`` adds
-  ``--slipstream``, ``--slipstream-varlen`` (packed sequences for the local attention, see
-  ``packed.py``), ``--slipstream-compile`` and ``--slipstream-config PATH``; ``read_arguments(args)``
-  (through ``slipstream.megatron.initialize(args)``)
-  acts on them before Megatron initialises torch.distributed (the backend Megatron-LM names
-  becomes ``slipstream`` for CPU tensors; CUDA keeps NCCL).
-- compile: Megatron-LM builds and wraps the model inside ``pretrain``, out of the user's reach.
-  With ``--slipstream-compile`` (or a ``"compile"`` section in ``--slipstream-config``) every
-  module Megatron's ``DistributedDataParallel`` wraps is handed to ``slipstream.compile`` as it
-  is wrapped (``enable_compile``; a reversible patch of its ``__init__``), its ranks agreeing
-  over the wrapper's data-parallel group. megatron-core users may call ``slipstream.compile``
-  on their model themselves.
-- users who keep another default backend: ``process_groups()`` returns a
-  ``ProcessGroupCollection`` whose groups are slipstream copies of parallel_state's (same
-  ranks), and routes the calls that bypass a collection (parallel_state's getters, used e.g. by
-  the vocab-parallel cross entropy) to the same copies: a reversible patch
-  (``restore_process_groups()``).
+- ``install()`` (run when ``megatron.core`` is imported after ``slipstream.enable()``): the
+  groups ``initialize_model_parallel`` makes inherit the default backend, so they need no
+  patch; it checks them once made and warns naming one that is not on slipstream.
+- Megatron-LM: ``add_arguments`` (its ``extra_args_provider``) adds the ``--slipstream*``
+  flags; ``slipstream.megatron.initialize(args)`` acts on them (``read_arguments``,
+  ``name_backend``) before Megatron initialises torch.distributed.
+- ``enable_compile``: Megatron-LM builds and wraps the model inside ``pretrain``, out of the
+  user's reach, so each module its ``DistributedDataParallel`` wraps goes to
+  ``slipstream.compile`` as it is wrapped (a reversible patch of the wrapper's ``__init__``).
+- ``process_groups()``, for users who keep another default backend: slipstream copies of
+  parallel_state's groups, and its getters answering them (reversible).
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
-import logging
-
 from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
 from ..._common.record import note_stack, warn_once
-from ..._common.patch import is_patched, patch, unpatch
+from ..._common.patch import is_patched, patch, uninstall_all, unpatch
 
 if TYPE_CHECKING:
     from ..config import SlipstreamConfig
@@ -46,7 +30,6 @@ if TYPE_CHECKING:
 __all__ = ["add_arguments", "chain", "disable_compile", "enable_compile", "install", "name_backend", "process_groups",
            "read_arguments", "restore_process_groups", "uninstall"]
 
-log = logging.getLogger("slipstream.megatron")
 _OWNER = "megatron"
 # parallel_state getters whose groups ``process_groups`` gives slipstream copies, by collection field
 _GETTERS = {"tp": "get_tensor_model_parallel_group", "dp": "get_data_parallel_group",
@@ -55,8 +38,6 @@ _GETTERS = {"tp": "get_tensor_model_parallel_group", "dp": "get_data_parallel_gr
 
 
 # ------------------------------------------------------------------ Megatron-LM arguments
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Megatron-LM's ``extra_args_provider``: adds slipstream's flags; returns the parser."""
     group = parser.add_argument_group(title="slipstream")
@@ -129,8 +110,6 @@ def name_backend(args: argparse.Namespace) -> None:
 
 
 # ------------------------------------------------------------------ compile
-
-
 def enable_compile(config=None) -> None:
     """From now on, each module Megatron's ``DistributedDataParallel`` wraps goes through
     ``slipstream.compile(module, config=config, group=<its data-parallel group>)`` at the end of
@@ -162,16 +141,10 @@ def enable_compile(config=None) -> None:
 
 
 def disable_compile() -> None:
-    import sys
-
-    ddp_module = sys.modules.get("megatron.core.distributed.distributed_data_parallel")
-    if ddp_module is not None:
-        unpatch(ddp_module.DistributedDataParallel, "__init__")
+    uninstall_all(_OWNER + "-compile")
 
 
 # ------------------------------------------------------------------ the check after set-up
-
-
 def install() -> None:
     """Check the model-parallel groups once Megatron has made them. Idempotent."""
     from megatron.core import parallel_state
@@ -188,14 +161,10 @@ def install() -> None:
 
 
 def uninstall() -> None:
-    import sys
-
     from .packed import disable_packed_attention
 
-    parallel_state = sys.modules.get("megatron.core.parallel_state")
-    if parallel_state is not None:
-        restore_process_groups()
-        unpatch(parallel_state, "initialize_model_parallel")
+    restore_process_groups()
+    uninstall_all(_OWNER)
     disable_packed_attention()
     disable_compile()
 
@@ -216,25 +185,18 @@ def _check_groups(parallel_state) -> None:
 
 
 # ------------------------------------------------------------------ groups on slipstream
+_COPIES: dict[tuple, dist.ProcessGroup] = {}  # ranks of one of parallel_state's groups -> its slipstream copy
 
 
-class _SlipstreamGroups:
-    """Slipstream groups of the same ranks as parallel_state's, made once per set of ranks."""
-
-    def __init__(self) -> None:
-        self.by_ranks: dict[tuple, dist.ProcessGroup] = {}
-
-    def of(self, group):
-        if group is None:
-            return None
-        ranks = tuple(dist.get_process_group_ranks(group))
-        copy = self.by_ranks.get(ranks)
-        if copy is None or copy not in dist.distributed_c10d._world.pg_map:  # none yet, or destroyed
-            self.by_ranks[ranks] = dist.new_group(list(ranks), backend="slipstream", use_local_synchronization=True)
-        return self.by_ranks[ranks]
-
-
-_COPIES = _SlipstreamGroups()
+def _copy_of(group):
+    """The slipstream group of ``group``'s ranks, made once per set of ranks."""
+    if group is None:
+        return None
+    ranks = tuple(dist.get_process_group_ranks(group))
+    copy = _COPIES.get(ranks)
+    if copy is None or copy not in dist.distributed_c10d._world.pg_map:  # none yet, or destroyed
+        _COPIES[ranks] = dist.new_group(list(ranks), backend="slipstream", use_local_synchronization=True)
+    return _COPIES[ranks]
 
 
 def process_groups():
@@ -254,11 +216,11 @@ def process_groups():
             group = original(check_initialized=False)
         except TypeError:  # get_data_parallel_group takes no such argument
             group = original()
-        copies[field] = _COPIES.of(group)  # made now, by every member alike
+        copies[field] = _copy_of(group)  # made now, by every member alike
 
         def answer(*args, _original=original, **kwargs):
             # the copy of whatever group the getter names (other arguments: other groups)
-            return _COPIES.of(_original(*args, **kwargs))
+            return _copy_of(_original(*args, **kwargs))
 
         patch(parallel_state, getter, functools.wraps(original)(answer), owner=_OWNER + "-groups")
     collection = ProcessGroupCollection.use_mpu_process_groups()
@@ -271,10 +233,4 @@ def process_groups():
 
 def restore_process_groups() -> None:
     """Undo ``process_groups``' patch of parallel_state's getters (the copies stay alive)."""
-    import sys
-
-    parallel_state = sys.modules.get("megatron.core.parallel_state")
-    if parallel_state is None:
-        return
-    for getter in _GETTERS.values():
-        unpatch(parallel_state, getter)
+    uninstall_all(_OWNER + "-groups")

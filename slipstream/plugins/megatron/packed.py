@@ -1,23 +1,14 @@
-"""Packed (THD) sequences for megatron-core's local attention.
+"""Packed (THD) sequences for megatron-core's local attention (docs/megatron.md).
 
 megatron-core passes ``PackedSeqParams`` (``qkv_format="thd"``, ``cu_seqlens``) only to
-Transformer Engine's attention; its local ``DotProductAttention`` refuses them, so a user
-without Transformer Engine cannot train on packed sequences. This module gives the local spec
-an attention that accepts them and computes attention inside each sequence with the kernel
-``slipstream.core_compile`` picks (exact SDPA per sequence on CPU; flash-attn varlen, then
-torch's varlen kernel, on CUDA in fp16/bf16):
+Transformer Engine's attention; its local ``DotProductAttention`` refuses them. Here they are
+attended inside each sequence with the kernel ``slipstream.core_compile`` picks:
+``PackedDotProductAttention`` and ``local_spec(...)``, or the stock class patched
+(``enable_packed_attention``: what ``--slipstream-varlen`` does); ``pack_batch`` collates.
 
-- ``PackedDotProductAttention``: ``DotProductAttention`` that also takes ``packed_seq_params``;
-  padded (SBHD) calls are the stock code. ``local_spec(...)``: megatron's
-  ``get_gpt_layer_local_spec`` with it as the core attention.
-- ``enable_packed_attention()`` / ``disable_packed_attention()``: the same on the stock class
-  (what ``--slipstream-varlen`` does for Megatron-LM's own specs): a reversible patch.
-- ``pack_batch(...)``: the collate step, a padded batch to packed tokens + ``PackedSeqParams``.
-
-What the THD path refuses, by name, rather than compute something else: another
-``qkv_format``, different query and key offsets (cross attention), padded offsets that differ
-from the real ones (context parallelism: Transformer Engine's), attention bias, a softmax
-offset, sliding windows and non-causal masks.
+What the THD path cannot compute it refuses by name (``_check``): another ``qkv_format``, cross
+attention, padded offsets that differ from the real ones (context parallelism), attention bias,
+a softmax offset, sliding windows and non-causal masks.
 """
 
 from __future__ import annotations
@@ -28,7 +19,7 @@ import torch
 
 from ...core_compile.varlen.attention import VarlenContext, varlen_attention
 from ...core_compile.varlen.packing import PackedBatch
-from ..._common.patch import is_patched, patch, unpatch
+from ..._common.patch import is_patched, patch, uninstall_all
 
 __all__ = ["PackedDotProductAttention", "disable_packed_attention", "enable_packed_attention", "local_spec",
            "pack_batch", "packed_attention"]
@@ -95,6 +86,19 @@ def _check(module, query, attn_mask_type, attention_bias, params) -> None:
         refuse(f"mask type {mask_type.name}; packed sequences here are causal")
 
 
+def _packed_forward(stock):
+    """``DotProductAttention.forward`` that also takes ``packed_seq_params``; padded calls go to
+    ``stock``."""
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        if packed_seq_params is None:
+            return stock(self, query, key, value, attention_mask, attn_mask_type=attn_mask_type,
+                         attention_bias=attention_bias)
+        return packed_attention(self, query, key, value, attn_mask_type, attention_bias, packed_seq_params)
+
+    return forward
+
+
 @functools.cache
 def _packed_class():
     from megatron.core.transformer.dot_product_attention import DotProductAttention
@@ -103,12 +107,7 @@ def _packed_class():
         """megatron-core's local ``DotProductAttention`` that also takes packed (THD) sequences
         (``packed_seq_params``), computed per sequence; padded calls are the stock code."""
 
-        def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                    packed_seq_params=None):
-            if packed_seq_params is None:
-                return super().forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
-                                       attention_bias=attention_bias)
-            return packed_attention(self, query, key, value, attn_mask_type, attention_bias, packed_seq_params)
+        forward = _packed_forward(DotProductAttention.forward)
 
     PackedDotProductAttention.__module__ = __name__
     return PackedDotProductAttention
@@ -138,24 +137,11 @@ def enable_packed_attention() -> None:
     if is_patched(DotProductAttention, "forward"):
         return
     stock = DotProductAttention.forward
-
-    @functools.wraps(stock)
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                packed_seq_params=None):
-        if packed_seq_params is None:
-            return stock(self, query, key, value, attention_mask, attn_mask_type=attn_mask_type,
-                         attention_bias=attention_bias)
-        return packed_attention(self, query, key, value, attn_mask_type, attention_bias, packed_seq_params)
-
-    patch(DotProductAttention, "forward", forward, owner=_OWNER)
+    patch(DotProductAttention, "forward", functools.wraps(stock)(_packed_forward(stock)), owner=_OWNER)
 
 
 def disable_packed_attention() -> None:
-    import sys
-
-    module = sys.modules.get("megatron.core.transformer.dot_product_attention")
-    if module is not None:
-        unpatch(module.DotProductAttention, "forward")
+    uninstall_all(_OWNER)
 
 
 def pack_batch(tokens: torch.Tensor, labels: torch.Tensor, attention_mask: torch.Tensor,
