@@ -1,41 +1,31 @@
-"""accelerate + FSDP2 through the core, with the script and the accelerate YAML users have.
+"""accelerate + FSDP2 through the core, with the script and the accelerate YAML users have
+(docs/fsdp.md). Installed when accelerate is imported after ``slipstream.enable()``;
+``slipstream.accelerate.Accelerator`` is the explicit form. Reversible patches of accelerate:
 
-Installed when accelerate is imported after ``slipstream.enable()`` (or with ``SLIPSTREAM=1``
-in the environment): every model accelerate prepares with FSDP2 gets
-``slipstream.fsdp.apply``. Reversible patches of accelerate:
+- ``fsdp2_prepare_model``: after accelerate's own ``fully_shard``, ``slipstream.fsdp.apply``;
+  ``Accelerator.prepare_model``: an FSDP1 root gets the core's comm hook (``fsdp1.py``);
+- ``AcceleratorState.__init__``: on CPU, stock accelerate runs DDP although FSDP is configured
+  (its FSDP branch lists only accelerator devices; under ``accelerate launch`` with a GPU YAML,
+  every process even runs alone: ``DistributedType.NO``); with slipstream on, the job runs FSDP
+  on CPU as configured.
 
-- ``accelerate.accelerator.fsdp2_prepare_model``: after accelerate's own ``fully_shard``
-  wrapping, the model's collectives go through the core; ``Accelerator.prepare_model``: an
-  FSDP1 root it wrapped gets the core's reduce-scatter comm hook (``fsdp1.py``);
-- ``AcceleratorState.__init__``: on CPU accelerate runs DDP even when FSDP is configured (its
-  FSDP branch lists only accelerator devices); with slipstream on, a job that configured FSDP
-  (an FSDP plugin, or ``ACCELERATE_USE_FSDP=true`` from ``accelerate launch`` with an FSDP
-  YAML) gets FSDP on CPU, as configured, said once in the log. ``accelerate launch`` with an
-  FSDP YAML made for GPUs (``use_cpu: false``) on a machine without one would even run every
-  process alone (``DistributedType.NO``); with slipstream on, they run as one CPU job.
-
-Settings come from the file named by ``SLIPSTREAM_CONFIG`` (JSON or YAML: the same section as
-in a DeepSpeed config, ``{"enabled": true, "comm": {...}, "varlen": {"enabled": true}}``),
-since accelerate's own YAML refuses unknown keys; without it, ``SLIPSTREAM_*`` and defaults.
-
-``slipstream.accelerate.Accelerator`` is the explicit form: ``accelerate.Accelerator`` with
-these patches installed first.
+Settings come from the file ``SLIPSTREAM_CONFIG`` names (accelerate's YAML refuses unknown
+keys), else ``SLIPSTREAM_*`` and the defaults.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
-import logging
 import os
 
 from .._adapter import compile_model
-from ..._common.patch import patch, unpatch
+from ..._common.patch import patch, uninstall_all
 from ..._common.record import note_stack, warn_once
 
 __all__ = ["install", "uninstall", "Accelerator"]
 
-log = logging.getLogger("slipstream.fsdp")
 _OWNER = "accelerate"
 
 
@@ -73,9 +63,7 @@ def install() -> None:
 
     @functools.wraps(original_prepare_model)
     def prepare_model(self, model, *args, **kwargs):
-        model = original_prepare_model(self, model, *args, **kwargs)
-        _hook_fsdp1(model)
-        return model
+        return _hook_fsdp1(original_prepare_model(self, model, *args, **kwargs))
 
     patch(acc.Accelerator, "prepare_model", prepare_model, owner=_OWNER)
 
@@ -95,38 +83,28 @@ def install() -> None:
 
 
 def uninstall() -> None:
-    import sys
-
-    acc = sys.modules.get("accelerate.accelerator")
-    state = sys.modules.get("accelerate.state")
-    if acc is not None:
-        unpatch(acc, "fsdp2_prepare_model")
-        unpatch(acc.Accelerator, "prepare_model")
-    if state is not None:
-        unpatch(state.AcceleratorState, "__init__")
+    uninstall_all(_OWNER)
 
 
-def _hook_fsdp1(model) -> None:
-    """An FSDP1 root that accelerate just wrapped: its reduce-scatter through the core."""
+def _hook_fsdp1(model):
+    """``model``; an FSDP1 root that accelerate just wrapped gets its reduce-scatter through the core."""
     from torch.distributed.fsdp import FullyShardedDataParallel
 
-    if not isinstance(model, FullyShardedDataParallel) or getattr(model, "_slipstream_fsdp1", False):
-        return
-    from ..fsdp.fsdp1 import register
+    if isinstance(model, FullyShardedDataParallel) and not getattr(model, "_slipstream_fsdp1", False):
+        from ..fsdp.fsdp1 import register
 
-    register(model)
-    model._slipstream_fsdp1 = True
-    note_stack("accelerate", engaged=True, fsdp_version=1, gradient_reduce_scatter="through the core")
+        register(model)
+        model._slipstream_fsdp1 = True
+        note_stack("accelerate", engaged=True, fsdp_version=1, gradient_reduce_scatter="through the core")
+    return model
 
 
 def _destroy_groups() -> None:
     import torch.distributed as dist
 
     if dist.is_initialized():
-        try:
+        with contextlib.suppress(Exception):  # exiting anyway
             dist.destroy_process_group()
-        except Exception:  # noqa: BLE001 - exiting anyway
-            pass
 
 
 def _launched_for_fsdp_without_a_device(state_module) -> bool:
