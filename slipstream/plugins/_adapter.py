@@ -1,13 +1,8 @@
 """What every adapter does the same way: read the one ``SlipstreamConfig`` from the stack's
-section, and apply the job-wide effects of its settings once per process.
-
-Settings, first found first: code (``slipstream.enable(config)``) > the stack's section >
-``SLIPSTREAM_*`` > defaults (``CommConfig.resolve``).
-"""
+section, and apply the job-wide effects of its settings once per process."""
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Mapping
 
 from .config import SlipstreamConfig
@@ -16,12 +11,11 @@ from .cpu_memory import keep_freed_memory, release_freed_memory
 
 __all__ = ["apply_job_effects", "compile_model", "read_config", "undo_job_effects"]
 
-log = logging.getLogger("slipstream")
-
 
 def read_config(section: Mapping[str, Any] | None, where: str = "slipstream") -> SlipstreamConfig:
-    """The stack's ``section`` (None: absent, so disabled) as a validated config; errors name
-    the key (``where`` is its path) or the variable."""
+    """The stack's ``section`` (None: absent, so disabled) as a validated config, over
+    ``slipstream.enable(config)``'s settings (``CommConfig.resolve``); errors name the key
+    (``where`` is its path) or the variable."""
     return SlipstreamConfig.from_dict(section, where, code=record.switch.config)
 
 

@@ -23,17 +23,11 @@ ADAPTERS = {"deepspeed": "slipstream.plugins.deepspeed", "accelerate": "slipstre
 
 
 class _AdapterHook(AfterImport):
-    """Installs the adapter of one stack once the stack has been imported (the start-up hook's
-    finder, ``slipstream_autoload.AfterImport``)."""
+    """Installs the adapter of one stack once the stack has been imported."""
 
     def __init__(self, name: str) -> None:
         super().__init__({name}, lambda stack: importlib.import_module(ADAPTERS[stack]).install())
         self.name = name
-
-
-def _remove_finder(name: str) -> None:
-    sys.meta_path[:] = [f for f in sys.meta_path
-                        if not (isinstance(f, (_AdapterHook, _WhenInitialised)) and f.name == name)]
 
 
 class _WhenInitialised(importlib.abc.MetaPathFinder):
@@ -75,6 +69,7 @@ def install_hooks() -> None:
 def remove_hooks() -> None:
     """Undo ``install_hooks``: pending finders go, installed adapters uninstall."""
     for name, adapter in ADAPTERS.items():
-        _remove_finder(name)
+        sys.meta_path[:] = [f for f in sys.meta_path
+                            if not (isinstance(f, (_AdapterHook, _WhenInitialised)) and f.name == name)]
         if name in sys.modules:
             importlib.import_module(adapter).uninstall()

@@ -46,12 +46,10 @@ class SlipstreamConfig(Settings):
     @classmethod
     def from_dict(cls, section: Mapping[str, Any] | None, where: str = "slipstream", *,
                   code: CommConfig | None = None, environ: Mapping[str, str] = os.environ) -> "SlipstreamConfig":
-        """Parse and validate a stack's section; errors name the offending key, e.g.
-        ``slipstream.comm.slot_bytes``. ``None`` means the section is absent: disabled.
-
-        The collectives' settings, first found first (``CommConfig.resolve``): ``code`` (a
-        ``CommConfig`` from ``slipstream.enable(config)``), the section's ``"comm"`` keys, the
-        ``SLIPSTREAM_*`` environment, the defaults."""
+        """Parse and validate a stack's section (None: absent, so disabled); errors name the
+        offending key, e.g. ``slipstream.comm.slot_bytes``. The collectives' settings, first found
+        first (``CommConfig.resolve``): ``code`` (``slipstream.enable(config)``'s), the section's
+        ``"comm"``, the ``SLIPSTREAM_*`` environment, the defaults."""
         if section is None:
             return cls(enabled=False)
         require_mapping(section, where)

@@ -1,21 +1,16 @@
 """Keep the memory that CPU tensors free inside the process, for the next step to reuse.
 
-glibc's malloc serves a large block (above a threshold that adapts up to 32 MiB) with a
-mapping of its own and unmaps it on ``free``, and gives the top of its heap back to the
-kernel once 128 KiB of it is free. A training step allocates and frees the same large
-activations and gradients every step, so on a CPU every step faults in and zeroes every
-4 KiB page of them again, in the kernel. :func:`keep_freed_memory` turns both off
-(``mallopt(M_MMAP_MAX, 0)``; ``M_TRIM_THRESHOLD`` at 2 GiB, the most ``mallopt`` takes):
-freed blocks stay in the heap and the next step reuses them. The process's resident memory
-then stays at its peak, like a caching allocator's. Blocks mapped before the call keep their
-mappings until freed.
-
+glibc's malloc gives a large block (above a threshold that adapts up to 32 MiB) a mapping of
+its own, unmapped on ``free``, and hands the top of its heap back once 128 KiB of it is free:
+on a CPU every training step faults in and zeroes every 4 KiB page of its activations and
+gradients again, in the kernel. :func:`keep_freed_memory` turns both off (``M_MMAP_MAX`` 0,
+``M_TRIM_THRESHOLD`` 2 GiB, the most ``mallopt`` takes): resident memory stays at its peak,
+like a caching allocator's; blocks mapped before the call keep their mappings until freed.
 llama-20m ZeRO-2 on 2 emulated nodes x 2 ranks of a 2-core machine: 6% more tokens/s, 12%
 less system time, 8% more peak memory (KVM Xeon, chrt -f 10; benchmarks/results/finetune_*.md).
 
-Process-wide, idempotent; :func:`release_freed_memory` restores glibc's default limits and
-hands the free heap back (the threshold glibc would have adapted stays where it was: any
-``mallopt`` fixes it). Elsewhere than glibc (musl, macOS) both do nothing.
+:func:`release_freed_memory` restores glibc's default limits and hands the free heap back (the
+threshold glibc would have adapted stays fixed). Elsewhere than glibc both do nothing.
 """
 
 from __future__ import annotations
