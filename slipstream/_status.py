@@ -1,12 +1,9 @@
-"""What slipstream does in this process, for the user to see: ``slipstream.status()`` (a dict)
-and one line on rank 0 when a job starts using it.
-
-The line names who turned slipstream on, what each stack adapter did (DeepSpeed: ZeRO stage,
-collectives routed, varlen on the model), each group's fast paths (``shm``, ``cma``,
-``hierarchical`` over the multi-connection ``transport`` or gloo) and what stays stock and
-why. It goes to the ``slipstream`` logger at INFO when the user's logging shows INFO, else to
-stderr (``SLIPSTREAM_QUIET=1`` silences it). The facts come from ``_common.record`` (what the
-adapters and the switch recorded), the communicator pool and the patch registry.
+"""What slipstream does in this process, for the user to see: ``slipstream.status()`` (a dict),
+and one line on rank 0 when a job starts using it: who turned slipstream on, what each stack
+adapter did, each group's fast paths and what stays stock and why. The line goes to the
+``slipstream`` logger at INFO when the user's logging shows INFO, else to stderr
+(``SLIPSTREAM_QUIET=1`` silences it). The facts come from ``_common.record``, the communicator
+pool and the patch registry.
 """
 
 from __future__ import annotations
@@ -76,9 +73,7 @@ def line(st: dict | None = None) -> str:
 
 def announce() -> None:
     """Log ``line()`` on global rank 0 (``record.start`` calls it once, when a job starts)."""
-    if _flag("SLIPSTREAM_QUIET", False):
-        return
-    if dist.is_initialized() and dist.get_rank() != 0:
+    if _flag("SLIPSTREAM_QUIET", False) or (dist.is_initialized() and dist.get_rank() != 0):
         return
     text = line()
     if log.isEnabledFor(logging.INFO) and (log.handlers or logging.getLogger().handlers):
@@ -88,11 +83,7 @@ def announce() -> None:
 
 
 def _describe(group, comm) -> dict:
-    paths = []
-    if comm.shm is not None:
-        paths.append("shm")
-    if comm.cma is not None:
-        paths.append("cma")
+    paths = [name for name, path in (("shm", comm.shm), ("cma", comm.cma)) if path is not None]
     if comm.hier is not None:
         n = getattr(comm.hier.inter, "connections", None)
         paths.append(f"hierarchical over {'transport x' + str(n) if n else 'gloo'}")

@@ -1,20 +1,16 @@
 """``slipstream.enable()`` / ``slipstream.disable()``: the one-line switch.
 
 ``enable`` registers the ``slipstream`` backend (every group then takes ``config``, else reads
-its settings when it is created: ``CommConfig.from_env()``) and makes it torch's default backend for
-CPU: torch's ``default_device_backend_map["cpu"]`` becomes ``"slipstream"``. That table is what
-``init_process_group()`` consults when no backend is named (since torch 2.6, also through
-``device_id``) and what ``get_default_backend_for_device("cpu")`` answers, so a stack that
-asks torch for the default gets slipstream, and one that names a backend keeps it.
+its settings when it is created: ``CommConfig.from_env()``) and makes it torch's default for
+CPU (``default_device_backend_map["cpu"]``): what ``init_process_group()`` consults when no
+backend is named (since torch 2.6, also through ``device_id``) and what
+``get_default_backend_for_device("cpu")`` answers, so a stack that asks torch for the default
+gets slipstream, and one that names a backend keeps it. CUDA keeps NCCL: NCCL over NVLink /
+InfiniBand beats any path through host memory, and the communicator itself sends a group's
+CUDA tensors to NCCL.
 
-CUDA keeps NCCL: ``default_device_backend_map["cuda"]`` is left alone, because NCCL over
-NVLink / InfiniBand beats any path through host memory, and the communicator itself sends
-CUDA tensors of a group with NCCL to NCCL.
-
-``disable`` undoes everything slipstream changed in this process: every stack adapter is
-uninstalled, and every entry of the patch registry (``_common.patch``: torch's backend tables,
-the wrapped functions, models' forwards) is put back exactly. Groups already created keep
-working.
+``disable`` uninstalls every stack adapter and undoes every entry of the patch registry
+(``_common.patch``) exactly. Groups already created keep working.
 """
 
 from __future__ import annotations
@@ -32,9 +28,6 @@ from .plugins import autoload
 
 __all__ = ["disable", "enable", "is_enabled"]
 
-_DEVICE = "cpu"
-
-
 def enable(config: CommConfig | None = None, *, source: str = "enable()") -> None:
     """Make ``slipstream`` the backend of a later ``init_process_group()`` without a backend
     (CPU). Idempotent; calling it again with another ``config`` rebinds the config for groups
@@ -48,7 +41,7 @@ def enable(config: CommConfig | None = None, *, source: str = "enable()") -> Non
     record.switch.config = config
     registry.register()
     registry.install_barrier_shim()
-    dist.Backend.default_device_backend_map[_DEVICE] = registry.BACKEND
+    dist.Backend.default_device_backend_map["cpu"] = registry.BACKEND
     _watch_init()
     # Stacks that name their backend themselves (DeepSpeed) are switched by their adapter,
     # installed when the stack is imported (now, if it already is).
