@@ -60,6 +60,7 @@ def _check_against_gloo(hier, rank, world):
                     torch.testing.assert_close(results[-1], ref, rtol=1e-2, atol=1e-6)
                 else:
                     assert torch.equal(results[-1], ref), (dtype, op, n)
+                    _check_unequal_blocks(hier, full, n, op, world, rank, seed)
             piece = _data(rank, seed + 1000, n, dtype)
             ref = torch.empty(n * world, dtype=dtype)
             all_gather_into_tensor(ref, piece)
@@ -73,6 +74,40 @@ def _check_against_gloo(hier, rank, world):
                 hier.all_gather(out, out.view(world, n)[rank], chunk_bytes=chunk)
                 assert torch.equal(out, ref), (dtype, n, chunk, "input inside output")
     return True
+
+
+def _check_unequal_blocks(hier, full, n, op, world, rank, seed):
+    """Blocks whose tails are zero padding (``valid``): the real part equals gloo's on the
+    padded input, in every chunking."""
+    valid = [(r * 5 + seed) % (n + 1) for r in range(world)]
+    padded = full.clone().view(world, n)
+    for r, v in enumerate(valid):
+        padded[r, v:] = 0
+    ref = _gloo_reduce_scatter(padded.view(-1), n, op, world)
+    for chunk in CHUNKS:
+        out = torch.full((n,), 99, dtype=full.dtype)
+        hier.reduce_scatter(out, padded.view(-1), op, chunk_bytes=chunk, valid=valid)
+        assert torch.equal(out[:valid[rank]], ref[:valid[rank]]), (full.dtype, op, n, chunk, valid)
+
+
+def _link_bytes_of_unequal_blocks(rank, world):
+    """Across 2 nodes x 2, a reduce-scatter of blocks with 10, 20, 30, 40 real elements out
+    of 1000: each rank sends its peer on the other node only that peer's real elements."""
+    from slipstream.core_comm import counters
+
+    comm = Communicator(None, config=CONFIG)
+    try:
+        inp, out, valid = torch.zeros(world * 1000), torch.empty(1000), [10, 20, 30, 40]
+        counters.reset()
+        comm.reduce_scatter(out, inp, valid=valid)
+        return counters.link_bytes()
+    finally:
+        comm.close()
+
+
+def test_a_reduce_scatter_of_unequal_blocks_sends_only_their_real_elements_across_nodes():
+    sent = run_ranks(_link_bytes_of_unequal_blocks, 4, rank_env=_nodes(0, 0, 1, 1), timeout=120)
+    assert sent == [30 * 4, 40 * 4, 10 * 4, 20 * 4]  # rank r's peer on the other node: r ^ 2
 
 
 def _on_nodes(rank, world, connections):

@@ -9,6 +9,7 @@ run as one operation over one flat buffer. Every call is counted under its path 
 from __future__ import annotations
 
 import logging
+import time
 from datetime import timedelta
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
@@ -146,35 +147,41 @@ class Communicator:
         algo, choice, label = self._choose("all_reduce", tensor, op)
         with counters.record(counted, label, tensor.numel() * tensor.element_size()):
             if algo == "stock":
-                dense = _dense(tensor)
+                dense, issued = _dense(tensor), time.perf_counter()
                 work = dist.all_reduce(dense, op=op, group=self.group, async_op=async_op)
-                return _stock(work, dense, tensor)
+                return _stock(work, dense, tensor, issued)
             chunk = choice.chunk_bytes if choice is not None else None
             return self._run(lambda: self._all_reduce(algo, tensor, op, chunk), async_op)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op=ReduceOp.SUM,
-                       async_op: bool = False):
-        """Like ``dist.reduce_scatter_tensor``: ``input`` holds ``world`` blocks of ``output``'s size."""
-        return self._resize_as("reduce_scatter", "reduce_scatter", output, input, op, async_op)
+                       async_op: bool = False, valid: list[int] | None = None):
+        """Like ``dist.reduce_scatter_tensor``: ``input`` holds ``world`` blocks of ``output``'s size.
+        ``valid[r]``: the leading elements of block ``r`` that matter, the rest being padding
+        (zeros in every input; undefined in the output): across nodes only those cross the link
+        (a reduce-scatter of unequal blocks). The same on every rank."""
+        if valid is not None and (len(valid) != self.world or not all(0 <= v <= output.numel() for v in valid)):
+            raise ValueError(f"reduce_scatter: valid needs {self.world} counts within 0..{output.numel()}, "
+                             f"got {valid}")
+        return self._resize_as("reduce_scatter", "reduce_scatter", output, input, op, async_op, valid)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
         """Like ``dist.all_gather_into_tensor``; ``input`` may be a view into ``output``."""
         return self._resize_as("all_gather", "all_gather", output, input, None, async_op)
 
-    def _resize_as(self, counted: str, kind: str, output, input, op, async_op: bool):
+    def _resize_as(self, counted: str, kind: str, output, input, op, async_op: bool, valid=None):
         check_sizes(kind, output, input, self.world)
         big = output if kind == "all_gather" else input
         nbytes = big.numel() * big.element_size()
         algo, _, label = self._choose(kind, input, ReduceOp.SUM if op is None else op, (output,), nbytes)
         with counters.record(counted, label, nbytes):
             if algo == "stock":
-                dense = _dense(output)
+                dense, issued = _dense(output), time.perf_counter()
                 if kind == "all_gather":
                     work = all_gather_into_tensor(dense, _dense(input), group=self.group, async_op=async_op)
                 else:
                     work = reduce_scatter_tensor(dense, _dense(input), op=op, group=self.group, async_op=async_op)
-                return _stock(work, dense, output)
-            return self._run(lambda: self._resize(kind, algo, output, input, op), async_op)
+                return _stock(work, dense, output, issued)
+            return self._run(lambda: self._resize(kind, algo, output, input, op, valid), async_op)
 
     # The coalesced forms: one operation over one flat buffer, so a bucket of many small
     # tensors costs one synchronisation instead of one per tensor.
@@ -231,13 +238,27 @@ class Communicator:
             except Exception as e:  # noqa: BLE001 - re-raised with the job's first failure
                 raise _with_first_failure(e) from e
 
+        issued = time.perf_counter()
         if not async_op:
-            self._drain()  # keep the order of calls the same on every rank
-            values_only()
+            try:
+                self._drain()  # keep the order of calls the same on every rank
+                values_only()
+            finally:
+                done = time.perf_counter()
+                counters.timeline.flight(issued, done)
+                counters.timeline.blocked(issued, done)
             return None
+
+        def in_flight() -> None:
+            try:
+                values_only()
+            finally:
+                counters.timeline.flight(issued, time.perf_counter())
+
         if self._executor is None:
-            self._executor = ThreadPoolExecutor(1, thread_name_prefix="slipstream-comm")
-        self._last = self._executor.submit(values_only)
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="slipstream-comm",
+                                                initializer=counters.mark_comm_thread)
+        self._last = self._executor.submit(in_flight)
         return Work(self._last)
 
     def _drain(self) -> None:
@@ -280,7 +301,7 @@ class Communicator:
         if work is not tensor:
             tensor.copy_(work)
 
-    def _resize(self, kind, algo, output, input, op) -> None:
+    def _resize(self, kind, algo, output, input, op, valid=None) -> None:
         """Reduce-scatter or allgather (``kind``): output and input differ by the world size."""
         if op is not None:
             op, factor = split_op(op)
@@ -298,7 +319,10 @@ class Communicator:
             _invoke(self._intra(kind, big), kind, output, input, op)
         else:
             out = output if output.is_contiguous() else torch.empty_like(output)
-            _invoke(self.hier, kind, out.view(-1), input.reshape(-1), op)
+            if kind == "reduce_scatter":
+                self.hier.reduce_scatter(out.view(-1), input.reshape(-1), op, valid=valid)
+            else:
+                self.hier.all_gather(out.view(-1), input.reshape(-1))
             if out is not output:
                 output.copy_(out)
 
@@ -336,13 +360,17 @@ def _dense(tensor: torch.Tensor) -> torch.Tensor:
     return tensor if tensor.is_contiguous() else tensor.contiguous()
 
 
-def _stock(work: dist.Work | None, dense: torch.Tensor, output: torch.Tensor) -> Work | None:
+def _stock(work: dist.Work | None, dense: torch.Tensor, output: torch.Tensor, issued: float) -> Work | None:
     """A stock collective's handle as the core's ``Work`` (None for a synchronous call), its
-    ``dense`` result copied into ``output`` when they differ."""
-    back = None if dense is output else (lambda: output.copy_(dense))
+    ``dense`` result copied into ``output`` when they differ; in flight from ``issued``."""
+    def back() -> None:
+        if dense is not output:
+            output.copy_(dense)
+        counters.timeline.flight(issued, time.perf_counter())
+
     if work is None:
-        if back is not None:
-            back()
+        back()
+        counters.timeline.blocked(issued, time.perf_counter())
         return None
     return Work.after(work, back)
 

@@ -10,6 +10,10 @@ counted once under ``(collective, path)``, ``path`` being the algorithm that ran
 While a profiler records, each call is also a range named like the stock backends' own
 (``gloo:all_reduce``): ``slipstream:all_reduce:shm``. Outside one no range is entered (a
 ``record_function`` costs a few microseconds, as much as a small allreduce's wait).
+
+``timeline`` keeps when each collective was in flight and when a caller was blocked on one,
+so that a step can say how much of its communication computing hid (``timeline.take()``);
+``link_bytes()`` is what this rank sent across the node link.
 """
 
 from __future__ import annotations
@@ -20,17 +24,19 @@ from collections import defaultdict
 
 import torch
 
-__all__ = ["PathCounts", "count", "record", "reset", "snapshot"]
+__all__ = ["PathCounts", "Timeline", "count", "link_bytes", "mark_comm_thread", "record", "reset", "snapshot",
+           "timeline"]
 
 
 class PathCounts:
     """Calls and bytes per (collective, path). Thread-safe: async calls count on the caller."""
 
-    __slots__ = ("_calls", "_bytes", "_lock")
+    __slots__ = ("_calls", "_bytes", "_link", "_lock")
 
     def __init__(self) -> None:
         self._calls: dict = defaultdict(int)
         self._bytes: dict = defaultdict(int)
+        self._link = 0  # bytes this rank sent to other nodes
         self._lock = threading.Lock()
 
     def add(self, kind: str, path: str, nbytes: int) -> None:
@@ -46,10 +52,71 @@ class PathCounts:
                 out.setdefault(kind, {})[path] = {"calls": calls, "bytes": self._bytes[kind, path]}
         return out
 
+    def add_link(self, nbytes: int) -> None:
+        with self._lock:
+            self._link += nbytes
+
+    def link_bytes(self) -> int:
+        return self._link
+
     def reset(self) -> None:
         with self._lock:
             self._calls.clear()
             self._bytes.clear()
+            self._link = 0
+        timeline.take()
+
+
+class Timeline:
+    """When collectives were in flight and when a caller's thread was blocked on one
+    (``time.perf_counter`` seconds). A synchronous call is blocked for all of its flight, an
+    asynchronous one only inside ``Work.wait``; waits on the communicators' own threads are
+    not a caller's. Intervals are merged, so nested records count once."""
+
+    __slots__ = ("_flights", "_blocked", "_lock")
+
+    def __init__(self) -> None:
+        self._flights: list = []
+        self._blocked: list = []
+        self._lock = threading.Lock()
+
+    def flight(self, start: float, end: float) -> None:
+        with self._lock:
+            self._flights.append((start, end))
+
+    def blocked(self, start: float, end: float) -> None:
+        if not getattr(_THREAD, "comm", False):
+            with self._lock:
+                self._blocked.append((start, end))
+
+    def take(self) -> dict:
+        """Since the last take: ``comm_s`` (some collective in flight), ``exposed_s`` (a
+        caller blocked on one), ``hidden_s`` (in flight while no caller was blocked) and the
+        ``calls``; then forgets them."""
+        with self._lock:
+            flights, blocked = self._flights, self._blocked
+            self._flights, self._blocked = [], []
+        exposed = _covered(blocked)
+        return {"comm_s": _covered(flights), "exposed_s": exposed, "hidden_s": _covered(flights + blocked) - exposed,
+                "calls": len(flights)}
+
+
+def _covered(intervals: list) -> float:
+    """Length of the union of ``(start, end)`` intervals."""
+    total, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            total += end - max(start, reach)
+            reach = end
+    return total
+
+
+_THREAD = threading.local()
+
+
+def mark_comm_thread() -> None:
+    """Mark the calling thread as a communicator's own (its waits block no caller)."""
+    _THREAD.comm = True
 
 
 # One table per process: a path count describes the process's calls, whatever their group.
@@ -57,6 +124,9 @@ _COUNTS = PathCounts()
 count = _COUNTS.add
 snapshot = _COUNTS.snapshot
 reset = _COUNTS.reset
+link_bytes = _COUNTS.link_bytes
+add_link = _COUNTS.add_link
+timeline = Timeline()
 
 
 def record(kind: str, path: str, nbytes: int):

@@ -12,12 +12,15 @@ is the call's ``result`` (the output tensors, for the backend; the bucket, for D
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import Future
 from datetime import timedelta
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+
+from . import counters
 
 __all__ = ["Work"]
 
@@ -75,7 +78,13 @@ class Work(dist.Work):
     def wait(self, timeout=None) -> bool:
         """Block until done and raise the call's error. ``timeout`` (seconds or a timedelta;
         zero or None: none) raises ``TimeoutError`` when it runs out first."""
-        seconds = timeout.total_seconds() if isinstance(timeout, timedelta) else timeout
+        started = time.perf_counter()
+        try:
+            return self._wait(timeout.total_seconds() if isinstance(timeout, timedelta) else timeout)
+        finally:
+            counters.timeline.blocked(started, time.perf_counter())
+
+    def _wait(self, seconds) -> bool:
         if self._future is not None:
             self._future.result(timeout=seconds or None)
             return True

@@ -23,6 +23,7 @@ from typing import Callable, Iterable
 import torch
 import torch.distributed as dist
 
+from .. import counters
 from ..ops import level_op as level_op_of
 from ..topology import Topology
 from ..transport import InterTransport
@@ -69,7 +70,7 @@ class Hierarchical:
     def all_reduce(self, flat: torch.Tensor, op, chunk_bytes: int | None = None) -> None:
         """In place on a contiguous 1-D CPU tensor, in pipelined chunks of ``chunk_bytes``
         (default: the one given at construction)."""
-        m_local = self.topo.local_size
+        m_local, nodes = self.topo.local_size, self.topo.num_nodes
         level_op = level_op_of(op)
         nbytes = chunk_bytes or self.chunk_bytes
         step = max(m_local, nbytes // flat.element_size() // m_local * m_local)
@@ -83,6 +84,8 @@ class Hierarchical:
                 shard.copy_(padded)
             else:
                 self.shm.reduce_scatter(shard, padded, level_op)
+            # the least any allreduce sends across: 2(n-1)/n of the shard (the exchange, for 2 nodes)
+            counters.add_link(2 * (nodes - 1) * shard.numel() * shard.element_size() // nodes)
             return self.inter.all_reduce(shard, level_op, async_op=True), shard, chunk, padded
 
         _pipeline(map(start, _ramped(flat.numel(), step, m_local)), self._finish_all_reduce, self.depth)
@@ -99,13 +102,17 @@ class Hierarchical:
         if padded is not chunk:
             chunk.copy_(padded[: chunk.numel()])
 
-    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op, chunk_bytes: int | None = None) -> None:
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op, chunk_bytes: int | None = None,
+                       valid: list[int] | None = None) -> None:
         """``out: (n,)`` contiguous; ``inp: (world * n,)`` contiguous, in group-rank order.
         In pipelined chunks of about ``chunk_bytes`` of ``inp`` (default: the one given at
-        construction), each the same columns of every block."""
+        construction), each the same columns of every block. ``valid[r]``: the leading
+        elements of rank r's block that matter (the rest is zero padding): only those cross
+        the link."""
         n, nodes = out.numel(), self.topo.num_nodes
         level_op = level_op_of(op)
         blocks = inp.view(self.topo.world_size, n)
+        owners = self._order.view(self.topo.local_size, nodes)[self.topo.local_rank].tolist()  # of my peers' blocks
 
         def start(cols: slice):
             # mine[q]: the sum over this node's ranks of the block of this rank's peer at
@@ -121,7 +128,13 @@ class Hierarchical:
             if nodes == 1:
                 out[cols].copy_(mine)
                 return None, mine
-            return self.inter.reduce_scatter(out[cols], mine, level_op, async_op=True), mine
+            width = cols.stop - cols.start
+            lengths = None if valid is None else [min(width, max(0, valid[g] - cols.start)) for g in owners]
+            sent = (nodes - 1) * width if lengths is None else sum(lengths) - lengths[self._inter_pos[self.topo.node]]
+            counters.add_link(sent * inp.element_size())
+            if lengths is None:
+                return self.inter.reduce_scatter(out[cols], mine, level_op, async_op=True), mine
+            return self.inter.reduce_scatter(out[cols], mine, level_op, async_op=True, lengths=lengths), mine
 
         _pipeline(map(start, self._columns(n, inp.element_size(), chunk_bytes)), _wait, self.depth)
         if op == ReduceOp.AVG:
@@ -139,6 +152,7 @@ class Hierarchical:
             if nodes == 1:
                 return None, inp[cols], cols
             peers = torch.empty(nodes * (cols.stop - cols.start), dtype=inp.dtype)
+            counters.add_link((nodes - 1) * (cols.stop - cols.start) * inp.element_size())
             return self.inter.all_gather(peers, inp[cols], async_op=True), peers, cols
 
         def finish(started) -> None:

@@ -34,16 +34,23 @@ class GlooInter:
         first, second = (shard, received) if self.rank == 0 else (received, shard)
         return _finish(works, lambda: combine(first, second, out=shard), async_op)
 
-    def reduce_scatter(self, out, inp, op, async_op=False):
+    def reduce_scatter(self, out, inp, op, async_op=False, lengths=None):
         """``out: (m,)`` gets block ``rank`` of the reduction of every peer's ``inp: (size*m,)``.
-        The reduction runs in ``wait()``, on the caller's thread."""
+        The reduction runs in ``wait()``, on the caller's thread. ``lengths[q]``: only the
+        first so many elements of block q are sent (the rest is zero padding, left out of the
+        sums; ``out`` beyond ``lengths[rank]`` is zero)."""
         # gloo's reduce-scatter moves as many bytes as an allreduce (measured on the emulated
         # link: 67 MiB out of a node for a 64 MiB reduce-scatter); a direct exchange sends
         # each peer exactly the block it owns, (N-1)/N of the input, the least possible.
         blocks = inp.view(self.size, out.numel())
         received = torch.empty((self.size, out.numel()), dtype=inp.dtype)
         received[self.rank].copy_(blocks[self.rank])
-        works = self._exchange(blocks, received)
+        if lengths is None:
+            works = self._exchange(blocks, received)
+        else:
+            mine = lengths[self.rank]
+            received[:, mine:] = 0
+            works = self._exchange([b[:n] for b, n in zip(blocks, lengths)], [row[:mine] for row in received])
         return _finish(works, lambda: reduce_rows(received, out, op, self.size), async_op)
 
     def all_gather(self, out, inp, async_op=False):
@@ -65,8 +72,8 @@ class GlooInter:
         (2x2 emulated nodes, 1gbit, chrt -f 10). Calls between the same peers match in the
         order they are made (gloo queues sends and receives per peer and tag)."""
         peers = [(q, dist.get_global_rank(self.group, q)) for q in range(self.size) if q != self.rank]
-        works = [dist.irecv(recvs[q], g, group=self.group) for q, g in peers]
-        return works + [dist.isend(sends[q], g, group=self.group) for q, g in peers]
+        works = [dist.irecv(recvs[q], g, group=self.group) for q, g in peers if recvs[q].numel()]
+        return works + [dist.isend(sends[q], g, group=self.group) for q, g in peers if sends[q].numel()]
 
 
 def _finish(works: list, then: Callable[[], object] | None, async_op: bool) -> Work | None:

@@ -143,8 +143,10 @@ class MultiConnInter:
                     + self._ring_gather(blocks, blocks[r], k, c) for c in range(k)]
         return self._submit("all_reduce", shard, programs, async_op)
 
-    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op=ReduceOp.SUM, async_op: bool = False):
-        """``out: (m,)`` gets block ``rank`` of the reduction of every peer's ``inp: (size*m,)``."""
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op=ReduceOp.SUM, async_op: bool = False,
+                       lengths=None):
+        """``out: (m,)`` gets block ``rank`` of the reduction of every peer's ``inp: (size*m,)``.
+        ``lengths`` (the real part of each block) is not used: whole blocks cross the ring."""
         reduce = self._check("reduce_scatter", op, inp, out, inp.numel() == out.numel() * self.size)
         m = out.numel()
         if m and overlaps(out, inp):
