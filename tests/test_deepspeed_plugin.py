@@ -124,6 +124,40 @@ def test_zero2_on_two_emulated_nodes_with_grad_accumulation_matches_stock():
     assert algos[0] == ["hierarchical"]
 
 
+def _overlap_against_blocking(rank, world, gas):
+    """ZeRO-2 with small buckets, each bucket's reduction issued during backward and with
+    every reduction blocking: bit-equal results; the core's timeline says which collectives
+    ran while this rank computed (hidden) and which it waited for."""
+    from slipstream.core_comm import counters
+    from slipstream.plugins.deepspeed import uninstall
+    from slipstream.plugins.deepspeed.zero import overlaps
+
+    runs = {}
+    for overlap in (False, True):
+        engines = []
+        counters.reset()
+        losses, grads, weights = _train_mlp(2, {"enabled": True, "comm": {**COMM, "overlap": overlap}}, 3, gas,
+                                            hidden=256, bucket=2000, engines=engines)
+        assert overlaps(engines[0].optimizer) is overlap
+        runs[overlap] = losses, grads, weights, counters.timeline.take()
+        uninstall()
+    blocking, overlapped = runs[False], runs[True]
+    assert blocking[0] == overlapped[0], "losses differ from the blocking path's"
+    for a, b in zip([*blocking[2], *(g for step in blocking[1] for g in step)],
+                    [*overlapped[2], *(g for step in overlapped[1] for g in step)]):
+        assert torch.equal(a, b), "weights or reduced gradients differ from the blocking path's"
+    return blocking[3], overlapped[3]
+
+
+@pytest.mark.parametrize("nodes, gas", [((0, 0), 1), ((0, 0, 1, 1), 2)], ids=["1node", "2nodes-grad-accum"])
+def test_zero2_buckets_reduce_while_backward_computes_bit_equal_to_blocking(nodes, gas):
+    timelines = run_ranks(_overlap_against_blocking, len(nodes), gas, rank_env=_env(*nodes), timeout=500)
+    for blocking, overlapped in timelines:
+        assert blocking["hidden_s"] == 0.0 and blocking["exposed_s"] > 0  # every collective held the rank
+        # a bucket's reduce-scatter in flight while backward went on (the core's own timestamps)
+        assert overlapped["hidden_s"] > 0, overlapped
+
+
 def _llama_batches(rank, n, vocab):
     g = torch.Generator().manual_seed(7 + rank)
     for _ in range(n):
@@ -269,14 +303,17 @@ def test_tuned_bucket_sizes_fill_only_what_the_user_left_unset():
     assert bucket_defaults(out, rec) is out  # nothing left to fill
 
 
-@pytest.mark.parametrize("device,zero,expected", [
-    ("cuda", {"stage": 2}, False),  # overlap_comm is off by default below stage 3
-    ("cuda", {"stage": 2, "overlap_comm": True}, True),
-    ("cuda", {"stage": 3}, True),
-    ("cuda", {"stage": 3, "overlap_comm": False}, False),
-    ("cpu", {"stage": 3, "overlap_comm": True}, False),  # no streams: every collective blocks
+@pytest.mark.parametrize("device,zero,overlap,expected", [
+    ("cuda", {"stage": 2}, True, "none"),  # overlap_comm is off by default below stage 3
+    ("cuda", {"stage": 2, "overlap_comm": True}, True, "all"),
+    ("cuda", {"stage": 3}, True, "all"),
+    ("cuda", {"stage": 3, "overlap_comm": False}, True, "none"),
+    ("cpu", {"stage": 3, "overlap_comm": True}, True, "none"),  # no streams: every collective blocks
+    ("cpu", {"stage": 2}, True, "gradients"),  # ZeRO-2's buckets reduced during backward (overlap.py)
+    ("cpu", {"stage": 2}, False, "none"),
+    ("cpu", {"stage": 1}, True, "none"),  # ZeRO-1 reduces after backward: no hook to overlap with
 ])
-def test_tuned_buckets_only_where_deepspeed_overlaps_comm(monkeypatch, device, zero, expected):
+def test_tuned_buckets_only_where_the_collectives_overlap_compute(monkeypatch, device, zero, overlap, expected):
     from types import SimpleNamespace
 
     import deepspeed.accelerator
@@ -289,9 +326,10 @@ def test_tuned_buckets_only_where_deepspeed_overlaps_comm(monkeypatch, device, z
     monkeypatch.setattr(deepspeed.accelerator, "get_accelerator", lambda: accelerator)
     backend = SimpleNamespace(communicator=lambda group: SimpleNamespace(plan=SimpleNamespace(buckets=BucketSizes())))
     ds_config = {"zero_optimization": zero}
-    got = engine._recommended_buckets(backend, ds_config)
-    assert engine._overlaps_comm(ds_config) is expected
-    assert got == (zero_buckets(BucketSizes(), element_size=4)["zero_optimization"] if expected else {})
+    got = engine._recommended_buckets(backend, ds_config, overlap)
+    assert engine._overlaps_comm(ds_config) is (expected == "all")
+    every = zero_buckets(BucketSizes(), element_size=4)["zero_optimization"]
+    assert got == {"all": every, "gradients": {"reduce_bucket_size": every["reduce_bucket_size"]}, "none": {}}[expected]
 
 
 def _set_up_and_train(rank, world, section, dist_init_required):

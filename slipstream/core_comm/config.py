@@ -49,6 +49,10 @@ class CommConfig(Settings):
     set-up that makes no progress for this long raises (a peer died or called something else)."""
     debug: bool = False
     """Before every collective, check that all ranks call it with the same size and dtype."""
+    overlap: bool = True
+    """Adapters issue a stack's gradient reductions asynchronously and wait where the stack
+    needs their result (ZeRO-1/2: full buckets during backward, waited at its end), so the
+    link works while the cores compute. Off: each reduction blocks, as the stack does."""
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -44,9 +44,12 @@ class CommBackend:
         op = self.__wrapped__._reduce_op(op)
         return self.communicator(group).all_reduce(tensor, op, async_op=async_op)
 
-    def reduce_scatter_tensor(self, output_tensor, input_tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+    def reduce_scatter_tensor(self, output_tensor, input_tensor, op=dist.ReduceOp.SUM, group=None, async_op=False,
+                              valid=None):
+        """``valid``: the real part of each block (``Communicator.reduce_scatter``), from ``zero.py``."""
         op = self.__wrapped__._reduce_op(op)
-        return self.communicator(group).reduce_scatter(output_tensor, input_tensor, op, async_op=async_op)
+        return self.communicator(group).reduce_scatter(output_tensor, input_tensor, op, async_op=async_op,
+                                                       valid=valid)
 
     def all_gather_into_tensor(self, output_tensor, input_tensor, group=None, async_op=False):
         return self.communicator(group).all_gather(output_tensor, input_tensor, async_op=async_op)

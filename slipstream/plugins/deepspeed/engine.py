@@ -23,7 +23,7 @@ from ...core_comm.tuner import load_plan
 from . import build_lock
 from .comm_backend import install_comm
 from .translate import zero_buckets
-from .zero import patch_zero_optimizer
+from .zero import overlaps, patch_zero_optimizer
 
 __all__ = ["initialize", "install", "uninstall", "load_ds_config", "bucket_defaults"]
 
@@ -81,7 +81,7 @@ def _set_up(original, args, kwargs):
         return original(*bound.args, **bound.kwargs)
     _init_distributed(original, params)
     backend = install_comm(settings.comm)
-    ds_config = bucket_defaults(ds_config, _recommended_buckets(backend, ds_config))
+    ds_config = bucket_defaults(ds_config, _recommended_buckets(backend, ds_config, settings.comm.overlap))
     apply_job_effects(settings, on_cpu=_on_cpu())
     if settings.varlen is not None:
         from ...core_compile import apply_varlen
@@ -101,11 +101,14 @@ def _set_up(original, args, kwargs):
         compiled = False
     else:
         compiled = compile_model(result[0].module, settings)  # DeepSpeed's hooks: the hook-free regions
-    owners = patch_zero_optimizer(result[0].optimizer)
+    owners = patch_zero_optimizer(result[0].optimizer, overlap=settings.comm.overlap)
+    overlapped = owners and overlaps(result[0].optimizer)
     if owners:
-        log.info("slipstream: ZeRO gradient buckets reduced to their owners (reduce-scatter)")
+        log.info("slipstream: ZeRO gradient buckets reduced to their owners (reduce-scatter)%s",
+                 ", during backward" if overlapped else "")
     note_stack("deepspeed", engaged=True, zero_stage=stage,
                collectives="deepspeed.comm through the core", gradient_buckets_to_owners=bool(owners),
+               buckets_during_backward=bool(overlapped),
                varlen=settings.varlen is not None, compile=compiled)
     backend.communicator(None)  # built now (every rank is here) so that the line names its paths
     record.start(by_adapter=True)
@@ -135,11 +138,14 @@ def _init_distributed(original, params) -> None:
                                     distributed_port=port, dist_init_required=params.get("dist_init_required"))
 
 
-def _recommended_buckets(backend, ds_config: dict) -> dict:
+def _recommended_buckets(backend, ds_config: dict, overlap: bool) -> dict:
     """ZeRO bucket sizes the tuner recommends for the world group's topology, in elements of
-    the training dtype (2 bytes under bf16/fp16, else 4); none where DeepSpeed cannot overlap
-    the collectives with compute."""
-    if not _overlaps_comm(ds_config):
+    the training dtype (2 bytes under bf16/fp16, else 4): all of them where DeepSpeed overlaps
+    its collectives with compute, the gradient buckets alone where ZeRO-2's are reduced during
+    backward on a CPU (``overlap``, ``overlap.py``), none where nothing overlaps."""
+    zero = ds_config.get("zero_optimization", {})
+    during_backward = overlap and _on_cpu() and zero.get("stage", 0) == 2
+    if not (_overlaps_comm(ds_config) or during_backward):
         # Each collective then blocks the step and waits for the slowest rank: the fewest,
         # largest buckets (DeepSpeed's own defaults) are fastest. Smaller tuned buckets were
         # 10% slower a step on 2 emulated nodes (benchmarks/results/finetune_*.md).
@@ -148,7 +154,8 @@ def _recommended_buckets(backend, ds_config: dict) -> dict:
     half = any(ds_config.get(k, {}).get("enabled", False) for k in ("bf16", "fp16"))
     comm = backend.communicator(None)
     plan = comm.plan or load_plan(comm)  # a cached measured plan, else the cost model's buckets
-    return zero_buckets(plan.buckets, element_size=2 if half else 4)["zero_optimization"]
+    sizes = zero_buckets(plan.buckets, element_size=2 if half else 4)["zero_optimization"]
+    return sizes if _overlaps_comm(ds_config) else {"reduce_bucket_size": sizes["reduce_bucket_size"]}
 
 
 def _overlaps_comm(ds_config: dict) -> bool:

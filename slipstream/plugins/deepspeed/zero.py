@@ -8,10 +8,13 @@ largest transfer.
 
 The patch (on the optimizer instance only, idempotent; ``unpatch_all`` or the plugin's
 ``uninstall`` removes it) lays the bucket out owner by owner (in DeepSpeed's order, zero-padded
-to the largest owner's size), reduce-scatters it through ``deepspeed.comm`` (so through the core
-when its backend is installed) and copies the owned slices back exactly where DeepSpeed would.
+to the largest owner's size), reduce-scatters it through DeepSpeed's communication backend (the
+core's stand-in, ``comm_backend.py``) and copies the owned slices back exactly where DeepSpeed would.
 Anything else (several owners of one slice, communication in another dtype, sequence
-parallelism, owners too unequal to pad cheaply) goes to DeepSpeed's own method.
+parallelism, owners too unequal to pad cheaply on one node) goes to DeepSpeed's own method.
+Across nodes the padding never crosses the link: the core's reduce-scatter sends each owner
+only its real slices (``valid``), so every bucket, even one inside a single owner's
+partition, moves the least possible bytes.
 
 On 2 emulated nodes x 2 ranks over 1 Gbit/s, 64 MiB: reduce-scatter 328 ms against 592 ms
 for the allreduce (``slipstream bench comm``, benchmarks/results/finetune_*.md).
@@ -24,20 +27,25 @@ import functools
 import torch
 
 from ..._common.patch import is_patched as _is_patched, patch, uninstall_all
+from .overlap import Deferred
 
-__all__ = ["patch_zero_optimizer", "unpatch_all", "is_patched", "owner_layout"]
+__all__ = ["patch_zero_optimizer", "unpatch_all", "is_patched", "overlaps", "owner_layout"]
 
 _METHOD = "allreduce_and_copy_with_multiple_ranks"
 _OWNER = "deepspeed-zero"  # this module's patches, apart from the rest of the adapter's
 # Largest padded size, relative to the bucket, still worth a reduce-scatter: an allreduce
 # moves twice the bucket's bytes, so up to 1.5x padding is still cheaper across nodes.
 MAX_PADDING = 1.5
+# What the deferral reads of DeepSpeed's optimizer (DeepSpeed >= 0.17's bucket layout).
+_DEFERRED_NEEDS = ("ipg_buckets", "reduce_ipg_grads", "average_tensor", "independent_gradient_partition_epilogue",
+                   "extra_large_param_to_reduce", "use_multi_rank_bucket_allreduce")
 
 
-def owner_layout(numels: list[int], owners: list, world: int) -> tuple[list[int], int, list[int]] | None:
+def owner_layout(numels: list[int], owners: list, world: int,
+                 max_padding: float | None = MAX_PADDING) -> tuple[list[int], int, list[int]] | None:
     """Where each slice goes in the owner-by-owner layout: (offset of each slice, shard size,
-    end of each owner's slices), or None when a slice has several owners or the padding would
-    exceed ``MAX_PADDING``."""
+    end of each owner's slices), or None when a slice has several owners or the padded size
+    would exceed ``max_padding`` times the slices' (None: no limit)."""
     single = []
     for owner in owners:
         if isinstance(owner, (frozenset, set, tuple, list)):
@@ -51,7 +59,7 @@ def owner_layout(numels: list[int], owners: list, world: int) -> tuple[list[int]
     for n, owner in zip(numels, single):
         sizes[owner] += n
     shard, total = max(sizes), sum(sizes)
-    if total == 0 or shard * world > MAX_PADDING * total:
+    if total == 0 or (max_padding is not None and shard * world > max_padding * total):
         return None
     filled = [r * shard for r in range(world)]
     offsets = []
@@ -61,58 +69,84 @@ def owner_layout(numels: list[int], owners: list, world: int) -> tuple[list[int]
     return offsets, shard, filled
 
 
-def _reduce_to_owners(self, small_bucket, communication_data_type, log=None, divide=True, process_group=None,
-                      bucket_ranks=None, output_bucket=None):
-    """Drop-in for ``DeepSpeedZeroOptimizer.allreduce_and_copy_with_multiple_ranks``."""
+def _reduce_to_owners(self, deferred, small_bucket, communication_data_type, log=None, divide=True,
+                      process_group=None, bucket_ranks=None, output_bucket=None):
+    """Drop-in for ``DeepSpeedZeroOptimizer.allreduce_and_copy_with_multiple_ranks``. While
+    ``deferred`` (an ``overlap.Deferred`` or None) collects a bucket's reductions, the
+    reduce-scatter is issued async and its copy-back handed to it."""
     import deepspeed.comm as dist
     from deepspeed.runtime.zero import stage_1_and_2
 
     group = self.dp_process_group if process_group is None else process_group
+    backend = dist.comm.cdb  # the core's stand-in (comm_backend.py), possibly behind a timer
+    comm = backend.communicator(group) if hasattr(backend, "communicator") else None
     world = dist.get_world_size(group=group)
     dtype = small_bucket[0].dtype if small_bucket else None
     layout = None
     if (bucket_ranks is not None and dtype == communication_data_type and not stage_1_and_2.pg_correctness_test
             and self.sequence_parallel_size == 1 and all(t.dtype == dtype for t in small_bucket)):
-        layout = owner_layout([t.numel() for t in small_bucket], list(bucket_ranks), world)
+        # across nodes only the owners' real slices cross the link: any padding is free there
+        layout = owner_layout([t.numel() for t in small_bucket], list(bucket_ranks), world,
+                              max_padding=None if comm is not None and comm.hier is not None else MAX_PADDING)
     if layout is None:
         return type(self).allreduce_and_copy_with_multiple_ranks(
             self, small_bucket, communication_data_type, log=log, divide=divide, process_group=group,
             bucket_ranks=bucket_ranks, output_bucket=output_bucket)
     offsets, shard, ends = layout
-    flat = torch.empty(world * shard, dtype=dtype, device=small_bucket[0].device)
+    flat = torch.zeros(world * shard, dtype=dtype, device=small_bucket[0].device)  # zero padding
     for t, start in zip(small_bucket, offsets):
         flat[start:start + t.numel()].copy_(t.reshape(-1))
-    for r, end in enumerate(ends):  # the padding
-        flat[end:(r + 1) * shard].zero_()
     if divide and self.gradient_average:
         flat.div_(world)
     mine = torch.empty(shard, dtype=dtype, device=flat.device)
-    dist.reduce_scatter_tensor(mine, flat, group=group)
-    me = dist.get_rank(group=group)
-    base = me * shard
+    collecting = deferred.collecting if deferred is not None else None
+    if comm is not None:  # across nodes only each owner's real slices cross the link
+        valid = [end - r * shard for r, end in enumerate(ends)]
+        work = backend.reduce_scatter_tensor(mine, flat, group=group, async_op=collecting is not None, valid=valid)
+    else:
+        work = dist.reduce_scatter_tensor(mine, flat, group=group, async_op=collecting is not None)
+    base = dist.get_rank(group=group) * shard
     outputs = output_bucket if output_bucket is not None else [None] * len(small_bucket)
-    for buf, start, output in zip(small_bucket, offsets, outputs):
-        if base <= start < base + shard:
-            synced = mine[start - base:start - base + buf.numel()].view_as(buf)
-            self._add_to_grad_partition_buffer(output, synced)
-            buf.copy_(synced)
+
+    def copy_back() -> None:
+        for buf, start, output in zip(small_bucket, offsets, outputs):
+            if base <= start < base + shard:
+                synced = mine[start - base:start - base + buf.numel()].view_as(buf)
+                self._add_to_grad_partition_buffer(output, synced)
+                buf.copy_(synced)
+
+    if collecting is not None:
+        collecting.append((work, copy_back))
+    else:
+        copy_back()
 
 
 def is_patched(optimizer) -> bool:
     return _is_patched(optimizer, _METHOD)
 
 
-def patch_zero_optimizer(optimizer) -> bool:
-    """Reduce ``optimizer``'s gradient buckets to their owners; True when patched (a stage 1/2
-    ZeRO optimizer), False for anything else. Idempotent."""
+def patch_zero_optimizer(optimizer, overlap: bool = False) -> bool:
+    """Reduce ``optimizer``'s gradient buckets to their owners, with ``overlap`` while backward
+    goes on (``overlap.py``); True when patched (a stage 1/2 ZeRO optimizer), False for
+    anything else. Idempotent."""
     try:
         from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
     except ImportError:  # pragma: no cover - depends on the DeepSpeed version
         return False
     if not isinstance(optimizer, DeepSpeedZeroOptimizer) or not hasattr(DeepSpeedZeroOptimizer, _METHOD):
         return False
-    patch(optimizer, _METHOD, functools.partial(_reduce_to_owners, optimizer), owner=_OWNER)
+    deferred = Deferred() if overlap and all(hasattr(optimizer, n) for n in _DEFERRED_NEEDS) else None
+    patch(optimizer, _METHOD, functools.partial(_reduce_to_owners, optimizer, deferred), owner=_OWNER)
+    if deferred is not None:
+        patch(optimizer, "reduce_ipg_grads", functools.partial(deferred.reduce_ipg_grads, optimizer), owner=_OWNER)
+        patch(optimizer, "independent_gradient_partition_epilogue", functools.partial(deferred.epilogue, optimizer),
+              owner=_OWNER)
     return True
+
+
+def overlaps(optimizer) -> bool:
+    """Whether ``optimizer``'s buckets are reduced while backward goes on."""
+    return _is_patched(optimizer, "reduce_ipg_grads")
 
 
 def unpatch_all() -> None:
