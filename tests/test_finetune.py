@@ -25,12 +25,14 @@ def test_embedded_default_runs_end_to_end_and_matches_stock(tmp_path):
     for a, b in zip(stock["losses"], ours["losses"]):
         assert abs(a - b) <= 1e-5 * abs(a)
     assert ours["padding_removed"] > 0.2 and stock["padding_removed"] == 0
-    # slipstream answers DeepSpeed's collectives without adding or splitting any (and on CPU
-    # keeps DeepSpeed's bucket sizes): the same calls per collective as stock, except that
-    # ZeRO-2's gradient allreduces become reduce-scatters to the slices' owners.
+    # slipstream answers DeepSpeed's collectives without adding or splitting any (this model's
+    # gradients fit one bucket of the size it recommends): the same calls per collective as
+    # stock, except that ZeRO-2's gradient allreduces become reduce-scatters to the slices'
+    # owners, issued during backward and each waited for once at its end.
     calls = {r["impl"]: {op: v["calls"] for op, v in r["comm_by_op"].items()} for r in (stock, ours)}
     scattered = calls["slipstream"].pop("reduce_scatter_tensor", 0)
     assert scattered >= 4 and "reduce_scatter_tensor" not in calls["stock"]
+    assert calls["slipstream"].pop("reduce_scatter_tensor.wait") == scattered
     calls["slipstream"]["all_reduce"] += scattered
     assert calls["slipstream"] == calls["stock"] and calls["stock"]["all_reduce"] >= 8
     # which path those calls took: stock DeepSpeed never reaches the core; with slipstream the
@@ -86,7 +88,7 @@ def test_hsdp_compare_runs_stock_full_sharding_stock_hsdp_and_ours_on_two_nodes(
 
 @pytest.mark.parametrize("args, message", [
     (["--stack", "fsdp", "--hsdp"], "--hsdp needs --nodes >= 2"),
-    (["--hsdp"], "go with --stack fsdp"),
+    (["--hsdp"], "--hsdp goes with --stack fsdp"),
     (["--stack", "fsdp", "--config", "x.json"], "goes with --stack deepspeed"),
 ])
 def test_fsdp_stack_options_are_checked_before_any_rank_starts(tmp_path, args, message):

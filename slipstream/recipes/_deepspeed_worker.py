@@ -36,8 +36,12 @@ def ds_config(args) -> dict:
     cfg.setdefault("optimizer", {}).setdefault("params", {})["lr"] = args.lr
     if args.impl == "stock":
         cfg.pop("slipstream", None)
-    elif args.compile:
-        cfg.setdefault("slipstream", {})["compile"] = {"enabled": True}
+        return cfg
+    section = cfg.setdefault("slipstream", {"enabled": True})
+    if args.compile:
+        section["compile"] = {"enabled": True}
+    if args.no_varlen:  # the collectives alone
+        section["varlen"] = {"enabled": False}
     return cfg
 
 

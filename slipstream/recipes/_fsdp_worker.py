@@ -93,7 +93,7 @@ def _time_comms(model, timer: CommTimer) -> None:
 
 def options(p: argparse.ArgumentParser) -> None:
     add_options(p)
-    add_flags(p, {"--hsdp": False, "--no-varlen": False})
+    add_flags(p, {"--hsdp": False})
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ def add_arguments(p) -> None:
     p.add_argument("--hsdp", action="store_true",
                    help="with --stack fsdp: a 2-D mesh, shard inside a node and replicate across nodes "
                         "(with --compare: stock full sharding, stock HSDP and slipstream HSDP)")
-    p.add_argument("--no-varlen", action="store_true", help="with --stack fsdp: slipstream's collectives only")
+    p.add_argument("--no-varlen", action="store_true", help="slipstream's collectives only (no padding removal)")
     p.add_argument("--compile", action="store_true", help="slipstream runs: the compile strategy chosen by "
                    "measurement on the first steps (slipstream.compile)")
     p.add_argument("--zero", type=int, choices=(1, 2, 3), default=2)
@@ -73,8 +73,8 @@ def validate(args) -> None:
         where = args.data if args.data is not None else "--samples"
         raise AlpacaFormatError(f"{where}: {len(records)} records, fewer than one step needs ({per_step} = "
                                 f"--batch-size x --grad-accum x ranks)")
-    if args.stack != "fsdp" and (args.hsdp or args.no_varlen):
-        raise SystemExit("--hsdp and --no-varlen go with --stack fsdp")
+    if args.stack != "fsdp" and args.hsdp:
+        raise SystemExit("--hsdp goes with --stack fsdp")
     if args.hsdp and args.nodes < 2:
         raise SystemExit("--hsdp needs --nodes >= 2 (it replicates across nodes)")
     if args.config is not None and args.stack == "fsdp":
@@ -96,6 +96,7 @@ def run(args) -> int:
     validate(args)
     spec = ClusterSpec(nodes=args.nodes, ranks_per_node=args.nproc, link=args.link)
     results = {key: _launch(args, impl, spec, hsdp) for key, impl, hsdp in _runs(args)}
+    _link_bound(results, spec)
     for r in results.values():
         _print_summary(r)
     if args.compare:
@@ -126,18 +127,26 @@ def result_file(output_dir, impl: str, hsdp: bool = False) -> Path:
 def _launch(args, impl: str, spec: ClusterSpec, hsdp: bool = False) -> dict:
     argv = ["--impl", impl]
     if args.stack == "fsdp":
-        argv += ["--hsdp"] * hsdp + flags(args, "no_varlen")
-    argv += flags(args, "compile", *_PASSED)
+        argv += ["--hsdp"] * hsdp
+    argv += flags(args, "compile", "no_varlen", *_PASSED)
     out = result_file(args.output_dir, impl, hsdp)
     out.unlink(missing_ok=True)
     return launch_worker(WORKERS[args.stack], argv, spec, timeout=args.timeout, out=out)
+
+
+def _link_bound(results: dict, spec: ClusterSpec) -> None:
+    """Each run's cross-node bound per step: the bytes slipstream's run sent out of a node
+    (the least that must cross; stock moves the same data) at the link's rate."""
+    sent = [r["link_bytes_per_node"] for r in results.values() if r["impl"] != "stock" and r["link_bytes_per_node"]]
+    for r in results.values():
+        r["link_bound_s"] = sent[0] * 8 / spec.link_bps if sent and spec.nodes > 1 and spec.link else None
 
 
 def _print_summary(r: dict) -> None:
     what = r.get("stack", "").upper() if r.get("stack") else f"ZeRO-{r['zero']}"
     print(
         f"\n[{r['impl']}] {what}, {r['steps']} steps: {r['tokens_per_s']:.0f} real tokens/s, "
-        f"step {r['step_time_s']:.3f} s (communication {r['comm_time_s']:.3f} s), "
+        f"step {r['step_time_s']:.3f} s (communication {r['comm_time_s']:.3f} s, exposed {r['exposed_comm_s']:.3f} s), "
         f"padding removed {100 * r['padding_removed']:.0f}%, final loss {r['final_loss']:.4f}, "
         f"peak memory {r['peak_mem_mb']:.0f} MiB" + (f"\ncheckpoint: {r['checkpoint']}" if r["checkpoint"] else "")
     )
@@ -154,7 +163,10 @@ def compare_table(stock: dict, ours: dict, peer: dict | None = None) -> str:
     rows = [
         ("real tokens/s", "tokens_per_s", "{:.0f}"),
         ("step time (s)", "step_time_s", "{:.3f}"),
-        ("comm time (s)", "comm_time_s", "{:.3f}"),
+        ("compute (s)", "compute_s", "{:.3f}"),
+        ("in collectives (s)", "comm_time_s", "{:.3f}"),
+        ("exposed comm (s)", "exposed_comm_s", "{:.3f}"),
+        ("link bound (s)", "link_bound_s", "{:.3f}"),
         ("peak memory (MiB)", "peak_mem_mb", "{:.0f}"),
         ("final loss", "final_loss", "{:.6f}"),
     ]
@@ -164,6 +176,8 @@ def compare_table(stock: dict, ours: dict, peer: dict | None = None) -> str:
     heads += ["ratio" if len(bases) == 1 else f"vs {_stack_name(b)}" for b in bases]
     lines = [f"| {'':20} | " + " | ".join(f"{h:>9}" for h in heads) + " |", "|" + "---|" * (len(heads) + 1)]
     for label, key, fmt in rows:
+        if ours.get(key) is None:
+            continue
         cells = [fmt.format(r[key]) for r in bases + [ours]]
         for b in bases:
             a, o = b[key], ours[key]

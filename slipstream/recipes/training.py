@@ -38,7 +38,7 @@ def add_options(p: argparse.ArgumentParser) -> None:
     add_flags(p, {"--impl": "slipstream", "--model": "llama-tiny", "--tokenizer": None, "--data": None,
                   "--samples": 400, "--max-length": 512, "--steps": 20, "--zero": 2, "--batch-size": 8,
                   "--grad-accum": 1, "--lr": 1e-3, "--seed": 0, "--config": None, "--output-dir": "out",
-                  "--compile": False})
+                  "--compile": False, "--no-varlen": False})
 
 
 def training_samples(args, tokenizer) -> list[dict]:
@@ -90,10 +90,15 @@ def train_steps(args, samples, pad_id: int, timer: CommTimer,
             micro = [pad_batch(b, pad_id) for b in micro_batches(samples, i, rank, world, batch_size=args.batch_size,
                                                                  grad_accum=args.grad_accum, seed=args.seed)]
             timer.seconds = 0.0
+            counters.timeline.take()
+            sent = counters.link_bytes()
             t0 = time.perf_counter()
             tokens = global_token_count([m["labels"] for m in micro], group=dist.group.WORLD)
             loss_sum = step(micro, tokens)
-            records.append(step_record(micro, loss_sum, tokens, time.perf_counter() - t0, timer.seconds))
+            elapsed, core = time.perf_counter() - t0, counters.timeline.take()
+            # stock: every collective blocks the rank (the timer's waits included); ours: the core's timeline
+            comm, exposed = (timer.seconds,) * 2 if args.impl == "stock" else (core["comm_s"], core["exposed_s"])
+            records.append(step_record(micro, loss_sum, tokens, elapsed, comm, exposed, counters.link_bytes() - sent))
             if bar is not None:
                 r = records[-1]
                 bar.set_postfix(loss=f"{r['loss']:.4f}", tok_s=f"{r['real_tokens'] / r['step_time_s']:.0f}",
@@ -105,13 +110,19 @@ def train_steps(args, samples, pad_id: int, timer: CommTimer,
     return records
 
 
-def step_record(micro, loss_sum, tokens, elapsed: float, comm_seconds: float) -> dict:
-    """A step's figures over every rank: loss per target token, real and padded tokens, times."""
+def step_record(micro, loss_sum, tokens, elapsed: float, comm_seconds: float, exposed_seconds: float | None = None,
+                link_bytes: int = 0) -> dict:
+    """A step's figures over every rank: loss per target token, real and padded tokens, times
+    (this rank's): the step, with a collective in flight (``comm``), blocked on one
+    (``exposed``), and the bytes each node sent across its link (over all its ranks)."""
     counts = torch.tensor([loss_sum.item(), sum(float(m["attention_mask"].sum()) for m in micro),
-                           sum(float(m["attention_mask"].numel()) for m in micro)], dtype=torch.float64)
+                           sum(float(m["attention_mask"].numel()) for m in micro), link_bytes], dtype=torch.float64)
     dist.all_reduce(counts)
+    nodes = dist.get_world_size() // int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
     return {"loss": counts[0].item() / max(1, int(tokens)), "real_tokens": counts[1].item(),
-            "padded_tokens": counts[2].item(), "step_time_s": elapsed, "comm_time_s": comm_seconds}
+            "padded_tokens": counts[2].item(), "step_time_s": elapsed, "comm_time_s": comm_seconds,
+            "exposed_comm_s": comm_seconds if exposed_seconds is None else exposed_seconds,
+            "link_bytes_per_node": counts[3].item() / max(1, nodes)}
 
 
 def summary(args, records: list[dict], timer: CommTimer, model, *, varlen: bool, checkpoint: str = "",
@@ -133,6 +144,9 @@ def summary(args, records: list[dict], timer: CommTimer, model, *, varlen: bool,
         "impl": args.impl, "steps": args.steps, "zero": args.zero,
         "tokens_per_s": real / seconds, "step_time_s": statistics.median_high(r["step_time_s"] for r in timed),
         "comm_time_s": statistics.median_high(r["comm_time_s"] for r in timed), "peak_mem_mb": float(peak),
+        "exposed_comm_s": statistics.median_high(r["exposed_comm_s"] for r in timed),
+        "compute_s": statistics.median_high(r["step_time_s"] - r["exposed_comm_s"] for r in timed),
+        "link_bytes_per_node": statistics.median_high(r["link_bytes_per_node"] for r in timed),
         "padding_removed": removed,
         "losses": [r["loss"] for r in records], "final_loss": records[-1]["loss"], "checkpoint": checkpoint,
         "comm_by_op": timer.calls(), "comm_paths": counters.snapshot(),
