@@ -5,6 +5,7 @@ reading what peers wrote (a control line as text, whether a peer's process is go
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import secrets
@@ -20,6 +21,30 @@ _LINE = 64  # bytes of one control line; also the alignment of slots and slices
 _STEP, _SEQ, _KIND, _NUMEL, _DTYPE, _OP, _PID, _ADDR = range(8)
 _LINE_WORDS = _LINE // 8
 _ABORTED = -1  # the seq of a rank that failed a call begun with ``start``
+
+
+_SYS_FUTEX, _FUTEX_WAIT, _FUTEX_WAKE = 202, 0, 1  # x86-64 Linux, the only platform of shm.py
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+def futex_wait(addr: int, value: int, timeout_s: float) -> None:
+    """Sleep (the GIL released) until a ``futex_wake`` on ``addr``, ``timeout_s`` passes, or at
+    once when the 32-bit word at ``addr`` (a step counter's low half, in the shared segment)
+    no longer holds ``value``'s low half: the kernel compares, so no wake-up is lost."""
+    ts = _Timespec(int(timeout_s), int(timeout_s % 1 * 1e9))
+    low = (value + 2**31) % 2**32 - 2**31
+    _libc.syscall(ctypes.c_long(_SYS_FUTEX), ctypes.c_void_p(addr), ctypes.c_int(_FUTEX_WAIT), ctypes.c_int(low),
+                  ctypes.byref(ts), None, ctypes.c_int(0))
+
+
+def futex_wake(addr: int) -> None:
+    """Wake every rank sleeping in ``futex_wait`` on ``addr`` (a syscall, ~1 us with none)."""
+    _libc.syscall(ctypes.c_long(_SYS_FUTEX), ctypes.c_void_p(addr), ctypes.c_int(_FUTEX_WAKE),
+                  ctypes.c_int(2**31 - 1), None, None, ctypes.c_int(0))
 
 
 class ShmError(RuntimeError):

@@ -39,12 +39,12 @@ import torch.distributed as dist
 
 from ..ops import DTYPES, OPS, cannot_reduce, code, reduce_rows
 from .segment import (_ABORTED, _ADDR, _DTYPE, _KIND, _LINE, _LINE_WORDS, _NUMEL, _OP, _PID, _SEQ, _STEP,
-                      KINDS_HERE, ShmError, _describe, _map_segment, _process_gone)
+                      KINDS_HERE, ShmError, _describe, _map_segment, _process_gone, futex_wait, futex_wake)
 
 __all__ = ["ShmComm", "ShmError", "check_sizes", "is_supported_platform"]
 
 ReduceOp = dist.ReduceOp
-_MIN_SLEEP_S, _MAX_SLEEP_S = 50e-6, 1e-3  # a waiting rank's sleep, after its first 64 yields
+_SPINS = 64  # a waiting rank's yields before it sleeps until a peer's step wakes it
 _CHECK_EVERY_S = 0.05  # how often a waiting rank looks for dead peers and its timeout
 
 
@@ -61,7 +61,7 @@ class ShmComm:
         # set-up
         "group", "rank", "world", "global_ranks", "slot_bytes", "small_bytes", "timeout", "segment_name",
         # the mapping and views into it
-        "_mm", "_ctrl", "_steps", "_inputs", "_results", "_views",
+        "_mm", "_ctrl", "_steps", "_step_addrs", "_inputs", "_results", "_views",
         # progress
         "_step", "_seq", "_next_slot", "_slot_free_at", "_unchecked", "_broken",
     )
@@ -84,6 +84,7 @@ class ShmComm:
         self._mm, self.segment_name = _map_segment(group, self.rank, nbytes)
         self._ctrl = np.frombuffer(self._mm, dtype=np.int64, count=w * _LINE_WORDS).reshape(w, _LINE_WORDS)
         self._steps = self._ctrl[:, _STEP]
+        self._step_addrs = [self._ctrl[r:].ctypes.data for r in range(w)]  # the futex words
         data = torch.frombuffer(self._mm, dtype=torch.uint8, offset=w * _LINE, count=(w + 1) * 2 * slot_bytes)
         self._inputs = data[: w * 2 * slot_bytes].view(w, 2, slot_bytes)
         self._results = data[w * 2 * slot_bytes:].view(2, slot_bytes)
@@ -247,6 +248,7 @@ class ShmComm:
     def _publish(self) -> int:
         self._step += 1
         self._ctrl[self.rank, _STEP] = self._step
+        futex_wake(self._step_addrs[self.rank])  # peers asleep on this rank's step
         return self._step
 
     def _begin(self, kind: str, t: torch.Tensor, op) -> None:
@@ -278,19 +280,19 @@ class ShmComm:
         while steps.min() < target:
             spins += 1
             # 4 ranks on 2 cores is common here: give the core to a peer that has work, and
-            # after a short spin sleep, so that the kernel's network work (softirq) runs too:
-            # spinning throughout left the 2x2 emulated-node 16 MiB allreduce at 185-195 ms,
-            # with the sleep 161-163 (link bound 134; chrt -f 10); 1x4 latency unchanged.
-            if spins < 64:
+            # after a short spin sleep in the kernel until the late peer's step moves (the GIL
+            # released): no wake-ups while a peer computes (a rank waiting seconds for a peer's
+            # backward used to wake 1000-20000 times a second, taking the core from the ranks
+            # still computing), and the kernel's network work (softirq) runs meanwhile.
+            if spins < _SPINS:
                 os.sched_yield()
                 continue
-            # Past 50 ms (waits inside a pipelined collective are shorter) the sleep grows with
-            # the wait (a 64th of it, up to 1 ms): under 2% added latency, while a rank that
-            # waits seconds for a peer's backward wakes 1000 times a second instead of 20000
-            # (13% of a core, taken from the ranks still computing).
+            late = int(steps.argmin())
+            step = int(steps[late])
+            if step < target:  # else it moved meanwhile: look again
+                futex_wait(self._step_addrs[late], step, max(1e-3, next_check - (time.monotonic() - start)))
             waited = time.monotonic() - start
-            time.sleep(_MIN_SLEEP_S if waited < 0.05 else min(_MAX_SLEEP_S, waited / 64))
-            if waited >= next_check:  # by time, not spins: a dead peer or the timeout is seen within 50 ms
+            if waited >= next_check:  # a dead peer or the timeout is seen within 50 ms
                 self._check_progress(target, waited)
                 next_check = waited + _CHECK_EVERY_S
 
