@@ -26,13 +26,13 @@ def test_embedded_default_runs_end_to_end_and_matches_stock(tmp_path):
         assert abs(a - b) <= 1e-5 * abs(a)
     assert ours["padding_removed"] > 0.2 and stock["padding_removed"] == 0
     # slipstream answers DeepSpeed's collectives without adding or splitting any (this model's
-    # gradients fit one bucket of the size it recommends): the same calls per collective as
+    # gradients fit one bucket): the same calls per collective as
     # stock, except that ZeRO-2's gradient allreduces become reduce-scatters to the slices'
-    # owners, issued during backward and each waited for once at its end.
+    # owners, blocking by default (issued during backward only with "overlap": true).
     calls = {r["impl"]: {op: v["calls"] for op, v in r["comm_by_op"].items()} for r in (stock, ours)}
     scattered = calls["slipstream"].pop("reduce_scatter_tensor", 0)
     assert scattered >= 4 and "reduce_scatter_tensor" not in calls["stock"]
-    assert calls["slipstream"].pop("reduce_scatter_tensor.wait") == scattered
+    assert "reduce_scatter_tensor.wait" not in calls["slipstream"]
     calls["slipstream"]["all_reduce"] += scattered
     assert calls["slipstream"] == calls["stock"] and calls["stock"]["all_reduce"] >= 8
     # which path those calls took: stock DeepSpeed never reaches the core; with slipstream the

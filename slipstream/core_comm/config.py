@@ -49,10 +49,13 @@ class CommConfig(Settings):
     set-up that makes no progress for this long raises (a peer died or called something else)."""
     debug: bool = False
     """Before every collective, check that all ranks call it with the same size and dtype."""
-    overlap: bool = True
+    overlap: bool = False
     """Adapters issue a stack's gradient reductions asynchronously and wait where the stack
     needs their result (ZeRO-1/2: full buckets during backward, waited at its end), so the
-    link works while the cores compute. Off: each reduction blocks, as the stack does."""
+    link works while the cores compute. Off (the default): each reduction blocks, as the stack
+    does. Opt-in because on a CPU the collectives' own work competes with compute for the
+    cores: measured on 2 cores, a net gain on a 100 Mbit/s link, a loss on 1 Gbit/s
+    (benchmarks/results/overlap_*)."""
 
     def __post_init__(self) -> None:
         for f in fields(self):
