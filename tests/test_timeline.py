@@ -20,6 +20,19 @@ def test_hidden_time_is_flight_time_outside_every_blocked_interval():
     assert t.take() == {"comm_s": 0.0, "exposed_s": 0.0, "hidden_s": 0.0, "calls": 0}
 
 
+def test_a_timeline_never_taken_stays_bounded_and_its_totals_survive_the_folds(monkeypatch):
+    monkeypatch.setattr(Timeline, "FOLD_AT", 10)
+    t = Timeline()
+    for i in range(100):  # 100 calls of 0.5 s, each waited for in its last 0.25 s
+        t.flight(float(i), i + 0.5)
+        t.blocked(i + 0.25, i + 0.5)
+        assert len(t._flights) + len(t._blocked) < 10
+    got = t.take()
+    assert (got["comm_s"], got["exposed_s"], got["calls"]) == (50.0, 25.0, 100)
+    assert got["hidden_s"] == 25.0  # every fold falls between two calls here
+    assert t.take() == {"comm_s": 0.0, "exposed_s": 0.0, "hidden_s": 0.0, "calls": 0}
+
+
 def test_waits_on_a_communicators_own_thread_block_no_caller():
     t = Timeline()
 

@@ -71,34 +71,50 @@ class Timeline:
     """When collectives were in flight and when a caller's thread was blocked on one
     (``time.perf_counter`` seconds). A synchronous call is blocked for all of its flight, an
     asynchronous one only inside ``Work.wait``; waits on the communicators' own threads are
-    not a caller's. Intervals are merged, so nested records count once."""
+    not a caller's. Intervals are merged, so nested records count once. Memory stays bounded
+    in a job that never takes: past ``FOLD_AT`` intervals they are folded into running totals
+    (an overlap that straddles a fold is counted on both sides of it)."""
 
-    __slots__ = ("_flights", "_blocked", "_lock")
+    __slots__ = ("_flights", "_blocked", "_folded", "_lock")
+    FOLD_AT = 1 << 16
 
     def __init__(self) -> None:
         self._flights: list = []
         self._blocked: list = []
+        self._folded = _measure([], [])
         self._lock = threading.Lock()
 
     def flight(self, start: float, end: float) -> None:
         with self._lock:
             self._flights.append((start, end))
+            self._fold_if_full()
 
     def blocked(self, start: float, end: float) -> None:
         if not getattr(_THREAD, "comm", False):
             with self._lock:
                 self._blocked.append((start, end))
+                self._fold_if_full()
+
+    def _fold_if_full(self) -> None:
+        if len(self._flights) + len(self._blocked) >= self.FOLD_AT:
+            measured = _measure(self._flights, self._blocked)
+            self._folded = {k: self._folded[k] + v for k, v in measured.items()}
+            self._flights, self._blocked = [], []
 
     def take(self) -> dict:
         """Since the last take: ``comm_s`` (some collective in flight), ``exposed_s`` (a
         caller blocked on one), ``hidden_s`` (in flight while no caller was blocked) and the
         ``calls``; then forgets them."""
         with self._lock:
-            flights, blocked = self._flights, self._blocked
-            self._flights, self._blocked = [], []
-        exposed = _covered(blocked)
-        return {"comm_s": _covered(flights), "exposed_s": exposed, "hidden_s": _covered(flights + blocked) - exposed,
-                "calls": len(flights)}
+            flights, blocked, folded = self._flights, self._blocked, self._folded
+            self._flights, self._blocked, self._folded = [], [], _measure([], [])
+        return {k: folded[k] + v for k, v in _measure(flights, blocked).items()}
+
+
+def _measure(flights: list, blocked: list) -> dict:
+    exposed = _covered(blocked)
+    return {"comm_s": _covered(flights), "exposed_s": exposed, "hidden_s": _covered(flights + blocked) - exposed,
+            "calls": len(flights)}
 
 
 def _covered(intervals: list) -> float:
