@@ -144,8 +144,9 @@ def _recommended_buckets(backend, ds_config: dict, overlap: bool) -> dict:
     its collectives with compute, the gradient buckets alone where ZeRO-2's are reduced during
     backward on a CPU (``overlap``, ``overlap.py``), none where nothing overlaps."""
     zero = ds_config.get("zero_optimization", {})
+    with_streams = _overlaps_comm(ds_config)
     during_backward = overlap and _on_cpu() and zero.get("stage", 0) == 2
-    if not (_overlaps_comm(ds_config) or during_backward):
+    if not (with_streams or during_backward):
         # Each collective then blocks the step and waits for the slowest rank: the fewest,
         # largest buckets (DeepSpeed's own defaults) are fastest. Smaller tuned buckets were
         # 10% slower a step on 2 emulated nodes (benchmarks/results/finetune_*.md).
@@ -155,7 +156,7 @@ def _recommended_buckets(backend, ds_config: dict, overlap: bool) -> dict:
     comm = backend.communicator(None)
     plan = comm.plan or load_plan(comm)  # a cached measured plan, else the cost model's buckets
     sizes = zero_buckets(plan.buckets, element_size=2 if half else 4)["zero_optimization"]
-    return sizes if _overlaps_comm(ds_config) else {"reduce_bucket_size": sizes["reduce_bucket_size"]}
+    return sizes if with_streams else {"reduce_bucket_size": sizes["reduce_bucket_size"]}
 
 
 def _overlaps_comm(ds_config: dict) -> bool:
