@@ -87,6 +87,9 @@ def _describe(group, comm) -> dict:
     if comm.hier is not None:
         n = getattr(comm.hier.inter, "connections", None)
         paths.append(f"hierarchical over {'transport x' + str(n) if n else 'gloo'}")
+        if comm.wire is not None:
+            paths.append(f"{comm.config.wire} across nodes from {comm.config.wire_min_bytes} bytes "
+                         "(float reductions and all-gathers; lossy)")
     if comm.config.cuda_staging and torch.cuda.is_available():
         paths.append("cuda staging")
     topo = comm.topology

@@ -73,14 +73,14 @@ class Settings:
 
     @classmethod
     def values_from_env(cls, environ: Mapping[str, str]) -> dict:
-        """``SLIPSTREAM_<FIELD>`` (upper case) of every boolean or number field, parsed and
-        checked; a bad one is refused naming the variable."""
+        """``SLIPSTREAM_<FIELD>`` (upper case) of every boolean, number or (not optional) text
+        field, parsed and checked; a bad one is refused naming the variable."""
         values = {}
         for name, kinds in _field_kinds(cls).items():
             var = ENV_PREFIX + name.upper()
             raw = environ.get(var)
             kind = kinds[0]
-            if raw is None or kind not in (bool, int, float):
+            if raw is None or kind not in (bool, int, float) and kinds != (str,):
                 continue
             try:
                 values[name] = parse_bool(raw) if kind is bool else kind(raw)

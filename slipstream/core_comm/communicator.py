@@ -27,8 +27,10 @@ from .collectives.staging import CudaStaging
 from .config import CommConfig
 from .groups import group_ranks, node_subgroups
 from .ops import describe, split_op
-from .routing import Choice, Plan, route, use_cma
+from .routing import Choice, Plan, route, use_cma, wire_format
 from .topology import Topology, detect_topology
+from .transport.gloo import GlooInter
+from .transport.wire import WireInter
 from .work import Work
 
 __all__ = ["Communicator"]
@@ -41,7 +43,7 @@ class Communicator:
     """Fast collectives over ``group`` (None: the default group). Construction is collective."""
 
     __slots__ = ("group", "config", "plan", "rank", "world", "topology", "checker",
-                 "shm", "cma", "hier", "unavailable",  # built algorithms, and why the others are not
+                 "shm", "cma", "hier", "wire", "unavailable",  # built algorithms, and why the others are not
                  "_staging", "_executor", "_last")
 
     def __init__(self, group: dist.ProcessGroup | None = None, *, config: CommConfig | None = None,
@@ -57,6 +59,8 @@ class Communicator:
         self.shm: ShmComm | None = None
         self.cma: CmaComm | None = None
         self.hier: Hierarchical | None = None
+        self.wire = None
+        """The lossy cross-node exchange (``WireInter``) where ``config.wire`` asks for one."""
         self.unavailable = self._build()
         self._staging: dict = {}
         self._executor: ThreadPoolExecutor | None = None
@@ -91,6 +95,8 @@ class Communicator:
                 log.debug("slipstream: no cross-memory attach on this node: %s", e)
         if inter is not None:
             self.hier = Hierarchical(topo, self.shm, self._inter_transport(inter), chunk_bytes=cfg.chunk_bytes)
+            if cfg.wire != "full":
+                self.wire = WireInter(GlooInter(inter), cfg.wire)
         return ""
 
     def _inter_transport(self, inter: dist.ProcessGroup):
@@ -124,7 +130,8 @@ class Communicator:
                      hierarchical=self.hier is not None, intra=self.shm is not None, unavailable=self.unavailable)
 
     def _choose(self, kind: str, tensor: torch.Tensor, op, others=(), nbytes: int | None = None):
-        """``(algorithm, plan choice, path label)`` for this call, counted under the label."""
+        """``(algorithm, plan choice, path label, the lossy exchange or None)`` for this call,
+        counted under the label (``hierarchical-int8`` where it crosses nodes in int8)."""
         for other in others:
             if other.device != tensor.device:
                 raise ValueError(f"{kind}: tensors on different devices: {tensor.device} and {other.device}")
@@ -137,21 +144,25 @@ class Communicator:
             log.debug("slipstream %s of %s %s (%s): stock collective: %s",
                       kind, tuple(tensor.shape), tensor.dtype, op, why)
         nbytes = tensor.numel() * tensor.element_size() if nbytes is None else nbytes
-        return algo, choice, "cma" if algo == "shm" and self._intra(kind, nbytes) is self.cma else algo
+        if algo in ("hierarchical", "staged") and self.wire is not None:
+            wire = wire_format(kind, tensor, op if kind != "all_gather" else None, config=self.config, nbytes=nbytes)
+            if wire != "full":
+                return algo, choice, f"{algo}-{wire}", self.wire
+        return algo, choice, "cma" if algo == "shm" and self._intra(kind, nbytes) is self.cma else algo, None
 
     def all_reduce(self, tensor: torch.Tensor, op=ReduceOp.SUM, async_op: bool = False):
         """In place, like ``dist.all_reduce``; returns a ``Work`` when ``async_op``."""
         return self._all_reduce_as("all_reduce", tensor, op, async_op)
 
     def _all_reduce_as(self, counted: str, tensor: torch.Tensor, op, async_op: bool):
-        algo, choice, label = self._choose("all_reduce", tensor, op)
+        algo, choice, label, lossy = self._choose("all_reduce", tensor, op)
         with counters.record(counted, label, tensor.numel() * tensor.element_size()):
             if algo == "stock":
                 dense, issued = _dense(tensor), time.perf_counter()
                 work = dist.all_reduce(dense, op=op, group=self.group, async_op=async_op)
                 return _stock(work, dense, tensor, issued)
             chunk = choice.chunk_bytes if choice is not None else None
-            return self._run(lambda: self._all_reduce(algo, tensor, op, chunk), async_op)
+            return self._run(lambda: self._all_reduce(algo, tensor, op, chunk, lossy), async_op)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op=ReduceOp.SUM,
                        async_op: bool = False, valid: list[int] | None = None):
@@ -172,7 +183,7 @@ class Communicator:
         check_sizes(kind, output, input, self.world)
         big = output if kind == "all_gather" else input
         nbytes = big.numel() * big.element_size()
-        algo, _, label = self._choose(kind, input, ReduceOp.SUM if op is None else op, (output,), nbytes)
+        algo, _, label, lossy = self._choose(kind, input, ReduceOp.SUM if op is None else op, (output,), nbytes)
         with counters.record(counted, label, nbytes):
             if algo == "stock":
                 dense, issued = _dense(output), time.perf_counter()
@@ -181,7 +192,7 @@ class Communicator:
                 else:
                     work = reduce_scatter_tensor(dense, _dense(input), op=op, group=self.group, async_op=async_op)
                 return _stock(work, dense, output, issued)
-            return self._run(lambda: self._resize(kind, algo, output, input, op, valid), async_op)
+            return self._run(lambda: self._resize(kind, algo, output, input, op, valid, lossy), async_op)
 
     # The coalesced forms: one operation over one flat buffer, so a bucket of many small
     # tensors costs one synchronisation instead of one per tensor.
@@ -273,7 +284,7 @@ class Communicator:
         """The one-node path of ``kind`` for ``nbytes`` (of the larger buffer), alike on all ranks."""
         return self.cma if self.cma is not None and use_cma(kind, nbytes) else self.shm
 
-    def _cpu_all_reduce(self, flat: torch.Tensor, op, chunk_bytes: int | None) -> None:
+    def _cpu_all_reduce(self, flat: torch.Tensor, op, chunk_bytes: int | None, lossy=None) -> None:
         nbytes = flat.numel() * flat.element_size()
         if self.hier is None:
             self._intra("all_reduce", nbytes).all_reduce(flat, op)
@@ -285,9 +296,9 @@ class Communicator:
             # emulated nodes at 1 Gbit/s: 16 MiB chunks 814-874 ms, 4 MiB 992-1025 ms, 1 MiB
             # 994-1108 ms (benchmarks/results/comm_*.md). 16 MiB messages keep 4 MiB chunks.
             chunk_bytes = max(self.config.chunk_bytes, nbytes // 4 // 64 * 64)
-        self.hier.all_reduce(flat, op, chunk_bytes=chunk_bytes)
+        self.hier.all_reduce(flat, op, chunk_bytes=chunk_bytes, inter=lossy)
 
-    def _all_reduce(self, algo, tensor, op, chunk_bytes) -> None:
+    def _all_reduce(self, algo, tensor, op, chunk_bytes, lossy=None) -> None:
         op, factor = split_op(op)
         if factor is not None:
             tensor.mul_(factor)
@@ -295,14 +306,15 @@ class Communicator:
             return
         work = tensor if tensor.is_contiguous() else tensor.contiguous()
         if algo == "staged":
-            self._stager(tensor.device).all_reduce(work, lambda host: self._cpu_all_reduce(host, op, chunk_bytes))
+            self._stager(tensor.device).all_reduce(work, lambda host: self._cpu_all_reduce(host, op, chunk_bytes, lossy))
         else:
-            self._cpu_all_reduce(work.view(-1), op, chunk_bytes)
+            self._cpu_all_reduce(work.view(-1), op, chunk_bytes, lossy)
         if work is not tensor:
             tensor.copy_(work)
 
-    def _resize(self, kind, algo, output, input, op, valid=None) -> None:
-        """Reduce-scatter or allgather (``kind``): output and input differ by the world size."""
+    def _resize(self, kind, algo, output, input, op, valid=None, lossy=None) -> None:
+        """Reduce-scatter or allgather (``kind``): output and input differ by the world size;
+        ``lossy``: the cross-node exchange in a lossy format, or None."""
         if op is not None:
             op, factor = split_op(op)
             if factor is not None:  # the caller's input stays as it was, as with NCCL
@@ -312,7 +324,7 @@ class Communicator:
         elif algo == "staged":
             host_out = torch.empty(output.shape, dtype=output.dtype, pin_memory=True)
             cpu_algo = "hierarchical" if self.hier else "shm"
-            self._resize(kind, cpu_algo, host_out, self._stager(input.device).to_host(input), op)
+            self._resize(kind, cpu_algo, host_out, self._stager(input.device).to_host(input), op, valid, lossy)
             output.copy_(host_out)
         elif algo == "shm":
             big = max(input.numel(), output.numel()) * input.element_size()
@@ -320,9 +332,9 @@ class Communicator:
         else:
             out = output if output.is_contiguous() else torch.empty_like(output)
             if kind == "reduce_scatter":
-                self.hier.reduce_scatter(out.view(-1), input.reshape(-1), op, valid=valid)
+                self.hier.reduce_scatter(out.view(-1), input.reshape(-1), op, valid=valid, inter=lossy)
             else:
-                self.hier.all_gather(out.view(-1), input.reshape(-1))
+                self.hier.all_gather(out.view(-1), input.reshape(-1), inter=lossy)
             if out is not output:
                 output.copy_(out)
 

@@ -11,7 +11,9 @@ from typing import Any, Mapping
 from .._common import record
 from .._common.settings import Settings, config_file, require_mapping
 
-__all__ = ["CommConfig"]
+__all__ = ["WIRE_FORMATS", "CommConfig"]
+
+WIRE_FORMATS = ("full", "bf16", "int8")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -57,6 +59,16 @@ class CommConfig(Settings):
     cores: measured on 2 cores, a net gain on a 100 Mbit/s link, a loss on 1 Gbit/s
     (benchmarks/results/overlap_*)."""
 
+    wire: str = "full"
+    """The format of the cross-node stage of float collectives of at least ``wire_min_bytes``
+    (inside a node everything stays full precision): ``"full"``, ``"bf16"`` (2 bytes an
+    element: float32 reductions and all-gathers) or ``"int8"`` (about 1 byte an element, with a
+    scale per 256: float32, fp16 and bf16). Lossy: gradient reductions carry the rounding into
+    the next step (error feedback); all-gathered parameters are rounded afresh each time. What it
+    costs in accuracy is measured in benchmarks/results/wire_*."""
+    wire_min_bytes: int = 1 << 20
+    """Smaller messages (a loss, a norm, a flag) cross at full precision whatever ``wire`` says."""
+
     def __post_init__(self) -> None:
         for f in fields(self):
             self.check_field(f.name, getattr(self, f.name))
@@ -75,8 +87,10 @@ class CommConfig(Settings):
             raise ValueError(f"connections must be between 1 and 16, got {value}")
         if name == "port_base" and not 0 <= value < 65536:
             raise ValueError(f"port_base must be a port number (or 0), got {value}")
-        if name == "min_hierarchical_bytes" and value < 0:
-            raise ValueError(f"min_hierarchical_bytes must be >= 0, got {value}")
+        if name == "wire" and value not in WIRE_FORMATS:
+            raise ValueError(f"wire must be one of {', '.join(WIRE_FORMATS)}, got {value!r}")
+        if name in ("min_hierarchical_bytes", "wire_min_bytes") and value < 0:
+            raise ValueError(f"{name} must be >= 0, got {value}")
         # nan and inf would switch every bounded wait off
         if name == "timeout_s" and not (math.isfinite(value) and value > 0):
             raise ValueError(f"timeout_s must be a positive finite number of seconds, got {value}")

@@ -25,8 +25,9 @@ import torch
 import torch.distributed as dist
 
 from .ops import cannot_reduce, split_op
+from .transport.codec import CODECS
 
-__all__ = ["CMA_FROM_BYTES", "STOCK_BELOW_BYTES", "Choice", "Plan", "refusal", "route", "use_cma"]
+__all__ = ["CMA_FROM_BYTES", "STOCK_BELOW_BYTES", "Choice", "Plan", "refusal", "route", "use_cma", "wire_format"]
 
 ReduceOp = dist.ReduceOp
 
@@ -129,3 +130,16 @@ def use_cma(kind: str, nbytes: int) -> bool:
     """Whether a one-node ``kind`` of a buffer of ``nbytes`` (the larger of output and input)
     goes through cross-memory attach, where the communicator has it."""
     return nbytes >= CMA_FROM_BYTES[kind]
+
+
+def wire_format(kind: str, tensor: torch.Tensor, op, *, config, nbytes: int) -> str:
+    """The cross-node format of a hierarchical ``kind`` of ``tensor`` with ``op`` (None for an
+    all-gather) moving ``nbytes`` in all: ``config.wire`` for an all-gather or a SUM/AVG (also
+    PREMUL_SUM) reduction of a dtype that format makes smaller, of ``config.wire_min_bytes`` or
+    more; else ``"full"``. MAX, MIN and PRODUCT, integers and small messages are never rounded."""
+    codec = CODECS.get(config.wire)
+    if codec is None or nbytes < config.wire_min_bytes or tensor.dtype not in codec.dtypes:
+        return "full"
+    if kind != "all_gather" and split_op(op)[0] not in (ReduceOp.SUM, ReduceOp.AVG):
+        return "full"
+    return config.wire

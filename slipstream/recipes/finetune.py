@@ -37,6 +37,9 @@ def add_arguments(p) -> None:
                    help="with --stack fsdp: a 2-D mesh, shard inside a node and replicate across nodes "
                         "(with --compare: stock full sharding, stock HSDP and slipstream HSDP)")
     p.add_argument("--no-varlen", action="store_true", help="slipstream's collectives only (no padding removal)")
+    p.add_argument("--wire", choices=("full", "bf16", "int8"), default=None,
+                   help="slipstream runs: the cross-node format of gradients and gathered parameters "
+                        "(lossy; default: the config's, full precision); --compare then shows the loss drift")
     p.add_argument("--compile", action="store_true", help="slipstream runs: the compile strategy chosen by "
                    "measurement on the first steps (slipstream.compile)")
     p.add_argument("--zero", type=int, choices=(1, 2, 3), default=2)
@@ -131,7 +134,10 @@ def _launch(args, impl: str, spec: ClusterSpec, hsdp: bool = False) -> dict:
     argv += flags(args, "compile", "no_varlen", *_PASSED)
     out = result_file(args.output_dir, impl, hsdp)
     out.unlink(missing_ok=True)
-    return launch_worker(WORKERS[args.stack], argv, spec, timeout=args.timeout, out=out)
+    env = {"SLIPSTREAM_WIRE": args.wire} if args.wire and impl == "slipstream" else None
+    result = launch_worker(WORKERS[args.stack], argv, spec, env=env, timeout=args.timeout, out=out)
+    result["wire"] = (args.wire or "full") if impl == "slipstream" else "full"
+    return result
 
 
 def _link_bound(results: dict, spec: ClusterSpec) -> None:
@@ -140,6 +146,8 @@ def _link_bound(results: dict, spec: ClusterSpec) -> None:
     sent = [r["link_bytes_per_node"] for r in results.values() if r["impl"] != "stock" and r["link_bytes_per_node"]]
     for r in results.values():
         r["link_bound_s"] = sent[0] * 8 / spec.link_bps if sent and spec.nodes > 1 and spec.link else None
+        if r["impl"] == "stock" and any(o.get("wire", "full") != "full" for o in results.values()):
+            r["link_bound_s"] = None  # stock's bytes are full precision: not the lossy run's
 
 
 def _print_summary(r: dict) -> None:
@@ -178,13 +186,16 @@ def compare_table(stock: dict, ours: dict, peer: dict | None = None) -> str:
     for label, key, fmt in rows:
         if ours.get(key) is None:
             continue
-        cells = [fmt.format(r[key]) for r in bases + [ours]]
+        cells = ["-" if r.get(key) is None else fmt.format(r[key]) for r in bases + [ours]]
         for b in bases:
-            a, o = b[key], ours[key]
-            ratio = o / a if key == "tokens_per_s" else (a / o if o else float("nan"))
-            cells.append(f"{ratio:.2f}x")
+            a, o = b.get(key), ours[key]
+            ratio = None if a is None else o / a if key == "tokens_per_s" else (a / o if o else float("nan"))
+            cells.append("-" if ratio is None else f"{ratio:.2f}x")
         lines.append(f"| {label:20} | " + " | ".join(f"{c:>{max(9, len(h))}}" for c, h in zip(cells, heads)) + " |")
     lines.append(f"\nmax per-step relative loss difference: {max(diffs):.2e} over {len(diffs)} steps")
+    if ours.get("wire", "full") != "full":
+        lines.append(f"{ours['wire']} across nodes, loss drift against the lossless stock run, per step: "
+                     + " ".join(f"{(b - a) / abs(a):+.1e}" for a, b in zip(stock["losses"], ours["losses"])))
     return "\n".join(lines)
 
 

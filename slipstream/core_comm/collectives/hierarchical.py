@@ -67,10 +67,13 @@ class Hierarchical:
         # local-index order: the rows one intra reduce-scatter gives out to the local ranks.
         self._node_rows = [_rows(topo.ranks_on(node_at[q])) for q in range(topo.num_nodes)]
 
-    def all_reduce(self, flat: torch.Tensor, op, chunk_bytes: int | None = None) -> None:
+    def all_reduce(self, flat: torch.Tensor, op, chunk_bytes: int | None = None,
+                   inter: InterTransport | None = None) -> None:
         """In place on a contiguous 1-D CPU tensor, in pipelined chunks of ``chunk_bytes``
-        (default: the one given at construction)."""
+        (default: the one given at construction). ``inter``: the exchange across nodes for this
+        call (default: the one given at construction; e.g. a lossy ``WireInter``)."""
         m_local, nodes = self.topo.local_size, self.topo.num_nodes
+        inter = inter or self.inter
         level_op = level_op_of(op)
         nbytes = chunk_bytes or self.chunk_bytes
         step = max(m_local, nbytes // flat.element_size() // m_local * m_local)
@@ -84,9 +87,11 @@ class Hierarchical:
                 shard.copy_(padded)
             else:
                 self.shm.reduce_scatter(shard, padded, level_op)
-            # the least any allreduce sends across: 2(n-1)/n of the shard (the exchange, for 2 nodes)
-            counters.add_link(2 * (nodes - 1) * shard.numel() * shard.element_size() // nodes)
-            return self.inter.all_reduce(shard, level_op, async_op=True), shard, chunk, padded
+            if hasattr(inter, "payload_bytes"):  # a lossy format: its payload to every other node
+                counters.add_link((nodes - 1) * inter.payload_bytes(shard.numel()))
+            else:  # the least any allreduce sends across: 2(n-1)/n of the shard (one exchange for 2)
+                counters.add_link(2 * (nodes - 1) * shard.numel() * shard.element_size() // nodes)
+            return inter.all_reduce(shard, level_op, async_op=True), shard, chunk, padded
 
         _pipeline(map(start, _ramped(flat.numel(), step, m_local)), self._finish_all_reduce, self.depth)
         if op == ReduceOp.AVG:
@@ -103,14 +108,15 @@ class Hierarchical:
             chunk.copy_(padded[: chunk.numel()])
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op, chunk_bytes: int | None = None,
-                       valid: list[int] | None = None) -> None:
+                       valid: list[int] | None = None, inter: InterTransport | None = None) -> None:
         """``out: (n,)`` contiguous; ``inp: (world * n,)`` contiguous, in group-rank order.
         In pipelined chunks of about ``chunk_bytes`` of ``inp`` (default: the one given at
         construction), each the same columns of every block. ``valid[r]``: the leading
         elements of rank r's block that matter (the rest is zero padding): only those cross
-        the link."""
+        the link. ``inter``: as for ``all_reduce``."""
         n, nodes = out.numel(), self.topo.num_nodes
         level_op = level_op_of(op)
+        inter = inter or self.inter
         blocks = inp.view(self.topo.world_size, n)
         owners = self._order.view(self.topo.local_size, nodes)[self.topo.local_rank].tolist()  # of my peers' blocks
 
@@ -130,30 +136,34 @@ class Hierarchical:
                 return None, mine
             width = cols.stop - cols.start
             lengths = None if valid is None else [min(width, max(0, valid[g] - cols.start)) for g in owners]
-            sent = (nodes - 1) * width if lengths is None else sum(lengths) - lengths[self._inter_pos[self.topo.node]]
-            counters.add_link(sent * inp.element_size())
+            sent = [width] * nodes if lengths is None else lengths
+            sent = sent[: self._inter_pos[self.topo.node]] + sent[self._inter_pos[self.topo.node] + 1:]
+            counters.add_link(sum(_link_bytes(inter, k, inp.element_size()) for k in sent))
             if lengths is None:
-                return self.inter.reduce_scatter(out[cols], mine, level_op, async_op=True), mine
-            return self.inter.reduce_scatter(out[cols], mine, level_op, async_op=True, lengths=lengths), mine
+                return inter.reduce_scatter(out[cols], mine, level_op, async_op=True), mine
+            return inter.reduce_scatter(out[cols], mine, level_op, async_op=True, lengths=lengths), mine
 
         _pipeline(map(start, self._columns(n, inp.element_size(), chunk_bytes)), _wait, self.depth)
         if op == ReduceOp.AVG:
             out.div_(self.topo.world_size)
 
-    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, chunk_bytes: int | None = None) -> None:
+    def all_gather(self, out: torch.Tensor, inp: torch.Tensor, chunk_bytes: int | None = None,
+                   inter: InterTransport | None = None) -> None:
         """``out: (world * n,)`` contiguous gets every rank's ``inp: (n,)`` in group order.
         In pipelined chunks of about ``chunk_bytes`` of ``out``, each the same columns of
         every block. ``inp`` may be a view into ``out``: chunk k rewrites only columns whose
-        input was sent before, with the values they already hold."""
+        input was sent before, with the values they already hold. ``inter``: as for
+        ``all_reduce``."""
         n, nodes = inp.numel(), self.topo.num_nodes
+        inter = inter or self.inter
         rows = out.view(self.topo.world_size, n)
 
         def start(cols: slice):
             if nodes == 1:
                 return None, inp[cols], cols
             peers = torch.empty(nodes * (cols.stop - cols.start), dtype=inp.dtype)
-            counters.add_link((nodes - 1) * (cols.stop - cols.start) * inp.element_size())
-            return self.inter.all_gather(peers, inp[cols], async_op=True), peers, cols
+            counters.add_link((nodes - 1) * _link_bytes(inter, cols.stop - cols.start, inp.element_size()))
+            return inter.all_gather(peers, inp[cols], async_op=True), peers, cols
 
         def finish(started) -> None:
             _wait(started)
@@ -219,6 +229,11 @@ def _wait(started) -> None:
     """Finish a started chunk whose first field is its inter-node handle (None: nothing)."""
     if started[0] is not None:
         started[0].wait()
+
+
+def _link_bytes(inter, n: int, itemsize: int) -> int:
+    """Bytes ``n`` elements take on the link through ``inter`` (fewer in a lossy format)."""
+    return inter.payload_bytes(n) if hasattr(inter, "payload_bytes") else n * itemsize
 
 
 def _rows(ranks: tuple[int, ...]) -> slice | torch.Tensor:

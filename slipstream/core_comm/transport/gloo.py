@@ -30,7 +30,7 @@ class GlooInter:
         # once each way) in one round instead of two. 16 MiB allreduce on 2x2 emulated nodes
         # at 1gbit (chrt -f 10, alternated runs): 153 ms against 161-168 with gloo's.
         received = torch.empty_like(shard)
-        works = self._exchange([shard] * 2, [received] * 2)
+        works = self.exchange([shard] * 2, [received] * 2)
         first, second = (shard, received) if self.rank == 0 else (received, shard)
         return _finish(works, lambda: combine(first, second, out=shard), async_op)
 
@@ -46,11 +46,11 @@ class GlooInter:
         received = torch.empty((self.size, out.numel()), dtype=inp.dtype)
         received[self.rank].copy_(blocks[self.rank])
         if lengths is None:
-            works = self._exchange(blocks, received)
+            works = self.exchange(blocks, received)
         else:
             mine = lengths[self.rank]
             received[:, mine:] = 0
-            works = self._exchange([b[:n] for b, n in zip(blocks, lengths)], [row[:mine] for row in received])
+            works = self.exchange([b[:n] for b, n in zip(blocks, lengths)], [row[:mine] for row in received])
         return _finish(works, lambda: reduce_rows(received, out, op, self.size), async_op)
 
     def all_gather(self, out, inp, async_op=False):
@@ -60,11 +60,12 @@ class GlooInter:
         # 320-456 ms (374) vs 285-300 (294) for 16 MiB (2x2 emulated nodes, 1gbit, chrt -f 10).
         rows = out.view(self.size, inp.numel())
         rows[self.rank].copy_(inp)
-        works = self._exchange([inp] * self.size, rows)
+        works = self.exchange([inp] * self.size, rows)
         return _finish(works, None, async_op)
 
-    def _exchange(self, sends, recvs) -> list:
-        """Send ``sends[q]`` to and receive ``recvs[q]`` from every peer q but this rank.
+    def exchange(self, sends, recvs) -> list:
+        """Send ``sends[q]`` to and receive ``recvs[q]`` from every peer q but this rank (any
+        dtype, empty ones skipped); the handles of the sends and receives.
 
         Receives are posted before sends, each on its own: with ``batch_isend_irecv`` the
         reduce-scatter of 4 MiB a rank took 75-143 ms (median 83), with this 75-81 (78), and

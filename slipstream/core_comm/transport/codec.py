@@ -1,0 +1,155 @@
+"""Lossy wire formats for the cross-node stage (``"wire"``): what a float tensor becomes on
+the link, and the error feedback that keeps a gradient's rounding from being lost.
+
+    bf16   2 bytes an element: round to nearest even. |error| <= |x| * 2^-8; inf and NaN
+           travel as they are.
+    int8   1 byte an element and a float32 scale per block of ``BLOCK`` elements (4/256 bytes
+           more an element): q = round(x / s), s = the block's largest finite |x| / 127.
+           |error| <= s / 2; a non-finite element arrives as NaN (an overflow stays
+           detectable), its block's other elements as usual.
+
+A payload is a flat ``uint8`` tensor, the same size on every rank for the same element count
+(``payload_bytes``), so peers can size their receives without a header.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["BLOCK", "CODECS", "Bf16", "ErrorFeedback", "Int8"]
+
+BLOCK = 256
+"""Elements per int8 scale: 1.6% more bytes than the int8 values alone, and a scale that
+follows a gradient's magnitude within a layer's slice."""
+_NON_FINITE = -128  # int8 code of a NaN or inf element; values use -127..127
+
+
+class Bf16:
+    name = "bf16"
+    dtypes = (torch.float32,)
+    """Input dtypes it makes smaller (bf16 of a 2-byte dtype saves nothing)."""
+
+    @staticmethod
+    def payload_bytes(n: int) -> int:
+        return 2 * n
+
+    @staticmethod
+    def encode(x: torch.Tensor) -> torch.Tensor:
+        """``x: (n,)`` float -> ``(2n,)`` uint8."""
+        return x.to(torch.bfloat16).view(torch.uint8)
+
+    @staticmethod
+    def decode(payload: torch.Tensor, n: int) -> torch.Tensor:
+        """``(payload_bytes(n),)`` uint8 -> ``(n,)`` float32."""
+        return payload.view(torch.bfloat16).float()
+
+
+class Int8:
+    name = "int8"
+    dtypes = (torch.float32, torch.float16, torch.bfloat16)
+
+    @staticmethod
+    def payload_bytes(n: int) -> int:
+        return 4 * -(-n // BLOCK) + n
+
+    @staticmethod
+    def encode(x: torch.Tensor) -> torch.Tensor:
+        """``x: (n,)`` float -> ``(payload_bytes(n),)`` uint8: the block scales (float32),
+        then the values (int8)."""
+        n = x.numel()
+        blocks = -(-n // BLOCK)
+        payload = torch.empty(Int8.payload_bytes(n), dtype=torch.uint8)
+        if not n:
+            return payload
+        padded = torch.zeros(blocks * BLOCK, dtype=torch.float32)
+        padded[:n].copy_(x)
+        finite = torch.isfinite(padded)
+        rows = padded.view(blocks, BLOCK)
+        scale = rows.abs().masked_fill_(~finite.view(blocks, BLOCK), 0).amax(1).div_(127)
+        inv = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
+        q = rows.mul(inv[:, None]).round_().clamp_(-127, 127).view(-1)
+        q.masked_fill_(~finite, _NON_FINITE)
+        payload[: 4 * blocks].view(torch.float32).copy_(scale)
+        payload[4 * blocks:].view(torch.int8).copy_(q[:n])
+        return payload
+
+    @staticmethod
+    def decode(payload: torch.Tensor, n: int) -> torch.Tensor:
+        blocks = -(-n // BLOCK)
+        scale = payload[: 4 * blocks].view(torch.float32)
+        q = payload[4 * blocks:].view(torch.int8)
+        out = torch.zeros(blocks * BLOCK, dtype=torch.float32)
+        out[:n].copy_(q)
+        out.view(blocks, BLOCK).mul_(scale[:, None])
+        out[:n].masked_fill_(q == _NON_FINITE, float("nan"))
+        return out[:n]
+
+
+CODECS = {c.name: c for c in (Bf16, Int8)}
+"""The lossy wire formats by name (``CommConfig.wire``; ``"full"`` is none of them)."""
+
+
+class ErrorFeedback:
+    """What rounding took from each tensor this rank sent, added to the same tensor the next
+    time it is sent (Seide et al. 2014; 1-bit Adam), so that over steps no part of a gradient
+    is lost, only delayed.
+
+    "The same tensor" is the call of the same kind and size made at the same place in the
+    previous training step: the i-th call of a (kind, size) in a step takes the residual of
+    the i-th in the one before. A step ends at every optimizer step (torch's global
+    ``register_optimizer_step_post_hook``, which every torch optimizer runs, DeepSpeed's and
+    Megatron's included) or at ``next_step()``. Calls outside any training loop (no optimizer
+    step between them) get no feedback. Past ``cap_bytes`` of residuals in one step, the rest
+    of that step's rounding is not kept."""
+
+    __slots__ = ("cap_bytes", "_step", "_previous", "_current", "_seen", "_bytes")
+
+    def __init__(self, cap_bytes: int = 2 << 30) -> None:
+        _count_optimizer_steps()
+        self.cap_bytes = cap_bytes
+        self._step = _STEPS[0]
+        self._previous: dict[tuple, torch.Tensor] = {}  # the last step's residuals
+        self._current: dict[tuple, torch.Tensor] = {}
+        self._seen: dict[tuple, int] = {}  # calls of each (kind, size) so far this step
+        self._bytes = 0  # in _current
+
+    def next_step(self) -> None:
+        """The training step ends: this step's residuals are the ones the next step takes."""
+        self._previous, self._current, self._seen, self._bytes = self._current, {}, {}, 0
+        self._step = _STEPS[0]
+
+    def encode(self, codec, key: tuple, x: torch.Tensor) -> torch.Tensor:
+        """``codec``'s payload of ``x`` plus the residual of the same call in the last step;
+        keeps the new residual. Non-finite elements leave none (a step that overflowed must
+        not poison the next)."""
+        if self._step != _STEPS[0]:
+            self.next_step()
+        ordinal = self._seen[key] = self._seen.get(key, -1) + 1
+        key = (*key, x.numel(), ordinal)
+        kept = self._previous.pop(key, None)
+        target = x.to(torch.float32, copy=True) if kept is None else x.float() + kept
+        payload = codec.encode(target)
+        residual = target.sub_(codec.decode(payload, x.numel())).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+        if self._bytes + residual.numel() * 4 <= self.cap_bytes:
+            self._current[key] = residual
+            self._bytes += residual.numel() * 4
+        return payload
+
+    def resident_bytes(self) -> int:
+        """Bytes of the residuals kept (the last step's and this one's)."""
+        return sum(r.numel() * 4 for d in (self._previous, self._current) for r in d.values())
+
+
+_STEPS = [0]  # optimizer steps this process has taken, once an ErrorFeedback asked to count
+_HOOK: list = []
+
+
+def _count_optimizer_steps() -> None:
+    """Count optimizer steps from now on (once per process; the hook only adds one)."""
+    if not _HOOK:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        def count(*_args) -> None:
+            _STEPS[0] += 1
+
+        _HOOK.append(register_optimizer_step_post_hook(count))
