@@ -9,6 +9,8 @@ Cases, from the victim's side (every other rank keeps calling ``FAULT_OP`` on a 
     before_first    exits right after ``init_process_group``
     setup           exits during the communicator's set-up, holding a new shared-memory segment
     mid             exits 50 ms into its 4th collective (from a timer thread)
+    overlapped      as mid, while every rank issues its collectives with ``async_op=True`` and
+                    computes (a matmul) until it waits on each
     frozen          stops itself (SIGSTOP) before its 4th collective
     mismatch        calls its 4th collective with a different size
     other_call      calls a broadcast where the others call ``FAULT_OP``
@@ -16,7 +18,8 @@ Cases, from the victim's side (every other rank keeps calling ``FAULT_OP`` on a 
     megatron        megatron-core TP=2 x DP layers (column- then row-parallel, gradients averaged
                     over the data-parallel group): exits 50 ms into step 4, inside the TP
                     all-reduces
-    deepspeed       ZeRO-2 through the DeepSpeed adapter: exits 50 ms into step 4
+    deepspeed       ZeRO-2 through the DeepSpeed adapter: exits 50 ms into step 4 (with
+                    ``SLIPSTREAM_OVERLAP=1``, buckets of 256 Ki elements, reduced during backward)
 
 Each rank prints ``FAULT <unix time>`` just before its fault (or mismatched call), and a rank
 whose collective raises prints ``ERROR <type>: <message>`` and exits 1. A rank that completes
@@ -61,13 +64,21 @@ def _die_holding_a_segment() -> None:
     _shm_segment.dist = Dist()
 
 
-def _call(op: str, x: torch.Tensor, world: int) -> None:
+def _call(op: str, x: torch.Tensor, world: int, async_op: bool = False):
     if op == "all_reduce":
-        dist.all_reduce(x)
-    elif op == "reduce_scatter":
-        dist.reduce_scatter_tensor(torch.empty(x.numel() // world), x)
-    else:
-        dist.all_gather_into_tensor(torch.empty(x.numel() * world), x)
+        return dist.all_reduce(x, async_op=async_op)
+    if op == "reduce_scatter":
+        return dist.reduce_scatter_tensor(torch.empty(x.numel() // world), x, async_op=async_op)
+    return dist.all_gather_into_tensor(torch.empty(x.numel() * world), x, async_op=async_op)
+
+
+def _call_while_computing(op: str, x: torch.Tensor, world: int) -> None:
+    """The collective in flight while this thread computes, then waited on."""
+    work = _call(op, x, world, async_op=True)
+    a = torch.randn(256, 256)
+    for _ in range(4):
+        a = torch.tanh(a @ a)
+    work.wait()
 
 
 def main(case: str) -> int:
@@ -95,7 +106,7 @@ def main(case: str) -> int:
     try:
         for i in range(CALLS):
             if victim and i == 3:
-                if case == "mid":
+                if case in ("mid", "overlapped"):
                     threading.Timer(0.05, _fault_now_and_exit).start()
                 elif case == "frozen":
                     _fault_now()
@@ -109,7 +120,10 @@ def main(case: str) -> int:
                     continue
             elif i == 3 and case in ("mismatch", "other_call"):
                 _fault_now()  # the disagreement starts when the last rank makes its call
-            _call(op, x, world)
+            if case == "overlapped":
+                _call_while_computing(op, x, world)
+            else:
+                _call(op, x, world)
     except Exception as e:  # noqa: BLE001 - reported to the harness
         _report(e)  # with the interpreter's teardown, as a script that raises has
     dist.destroy_process_group()
@@ -175,6 +189,8 @@ def _deepspeed(victim: bool) -> int:
     config = {"train_micro_batch_size_per_gpu": 64, "zero_optimization": {"stage": 2},
               "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
               "zero_force_ds_cpu_optimizer": False, "slipstream": {"enabled": True}}
+    if os.environ.get("SLIPSTREAM_OVERLAP") == "1":
+        config["zero_optimization"]["reduce_bucket_size"] = 1 << 18
     try:
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
         for step in range(200):

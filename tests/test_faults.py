@@ -134,7 +134,11 @@ CASES = [
     ("mid", 2, 2, "all_reduce", {"SLIPSTREAM_CONNECTIONS": "2"}, DIED),
     ("mid", 2, 1, "reduce_scatter", {"SLIPSTREAM_CONNECTIONS": "2"}, DIED),
     ("mid", 2, 3, "all_gather", {"SLIPSTREAM_CONNECTIONS": "2"}, DIED),
+    ("overlapped", 1, 1, "all_reduce", {}, DIED),
+    ("overlapped", 2, 3, "reduce_scatter", {"SLIPSTREAM_WIRE": "int8"}, DIED),
+    ("mid", 2, 1, "all_gather", {"SLIPSTREAM_WIRE": "bf16"}, DIED),
     ("frozen", 1, 1, "all_reduce", {}, TIMED),
+    ("frozen", 2, 2, "all_reduce", {"SLIPSTREAM_WIRE": "int8"}, TIMED),
     ("frozen", 2, 2, "all_reduce", {"SLIPSTREAM_CONNECTIONS": "2"}, TIMED),
     ("mismatch", 1, 1, "all_reduce", {}, r"differ"),
     ("mismatch", 1, 1, "all_reduce", {"SLIPSTREAM_DEBUG": "1"}, r"differs across ranks.*calls all_reduce of"),
@@ -146,6 +150,7 @@ CASES = [
     ("megatron", 2, 1, "all_reduce", {"SLIPSTREAM_CONNECTIONS": "2"}, DIED),  # TP=2 in each node x DP=2 across
     ("deepspeed", 1, 1, "all_reduce", {}, DIED),
     ("deepspeed", 2, 2, "all_reduce", {"SLIPSTREAM_CONNECTIONS": "2"}, DIED),
+    ("deepspeed", 2, 1, "reduce_scatter", {"SLIPSTREAM_OVERLAP": "1"}, DIED),  # buckets during backward
 ]
 
 
