@@ -87,3 +87,21 @@ def test_ddp_on_slipstream_with_cuda_tensors_uses_nccl():
         model(torch.randn(4, 64, device="cuda")).sum().backward()
     finally:
         dist.destroy_process_group()
+
+
+def test_bench_ddp_says_where_the_step_goes(tmp_path):
+    """``slipstream bench ddp`` on one node of 2: equal weights to gloo's, a compute-alone step,
+    slipstream's time in collectives from the core's timeline, each backend's exposed part."""
+    import json
+
+    from slipstream.cli import main
+
+    figures = tmp_path / "records.json"
+    assert main(["bench", "ddp", "--layouts", "1x2", "--width", "64", "--depth", "2", "--steps", "3",
+                 "--warmup", "1", "--json", str(figures)]) == 0
+    (record,) = json.loads(figures.read_text())
+    assert record["weights_allclose"]
+    assert 0 < record["compute_s"] and 0 < record["comm_s"] <= record["step_s"]["slipstream"]
+    for backend in ("gloo", "slipstream"):
+        assert record["exposed_s"][backend] == max(0.0, record["step_s"][backend] - record["compute_s"])
+    assert record["link_bound_s"] is None and record["sent_bound_s"] is None  # one node: no link

@@ -348,6 +348,9 @@ def test_bench_megatron_runs_gloo_and_slipstream_padded_and_packed_with_equal_lo
     # same data, same seed: the packed model computes the padded one's losses
     assert padded["max_rel_loss_diff"] <= 1e-6 and packed["max_rel_loss_diff"] <= 1e-5, record
     assert packed["padding_removed"] > 0.1
+    # where the step's time goes: slipstream's collectives on the core's timeline, none for gloo
+    assert len(padded["comm_s"]) == 2 and min(padded["comm_s"]) > 0 and max(stock["comm_s"]) == 0
+    assert all(0 <= e <= c + 1e-3 for e, c in zip(padded["exposed_s"], padded["comm_s"]))
 
 
 def test_bench_megatron_refuses_a_tp_that_crosses_nodes():

@@ -8,7 +8,10 @@ batches through its packed attention. Megatron's DDP reduces the gradients; the 
 torch's AdamW over DDP's reduced gradients.
 
 Columns: the median step time of the slowest rank; ratio = gloo padded / this job (> 1 is
-faster); loss: the largest per-step relative difference from gloo padded. What megatron-core
+faster); loss: the largest per-step relative difference from gloo padded; for slipstream's
+jobs, the median time in collectives (some call in flight) and its exposed part (a caller
+waiting), from the core's timeline, and the link bound (the bytes it sent out of a node per
+step at the link's rate). ``--no-varlen`` leaves out the packed job: collectives only. What megatron-core
 needs CUDA for on CPU is worked around in the ranks only, and listed in the report.
 """
 
@@ -18,6 +21,7 @@ import argparse
 import statistics
 import sys
 
+from slipstream.cluster import parse_rate
 from slipstream.cluster.worker import flags, launch_worker
 from .ddp import parse_layout
 from .report import emit, page, table, version
@@ -40,6 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--no-varlen", action="store_true", help="padded jobs only (slipstream's collectives)")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds before every rank is killed")
     parser.add_argument("--json", help="write the records (a JSON list) here")
     parser.add_argument("--markdown", help="write the report (machine, command, table) here")
@@ -57,26 +62,34 @@ def _tps(text: str, per_node: int) -> list[int]:
     return tps
 
 
-def _record(layout: str, jobs: list[dict]) -> dict:
+def _record(layout: str, jobs: list[dict], spec) -> dict:
     stock = jobs[0]
     base = statistics.median(stock["times_s"])
     out = {"layout": layout, "tp": stock["tp"], "dp": stock["dp"], "params": stock["params"], "jobs": []}
     for job in jobs:
         step = statistics.median(job["times_s"])
         diff = max(abs(a - b) / abs(a) for a, b in zip(stock["losses"], job["losses"], strict=True))
+        sent = job["link_bytes"] / spec.nodes
         out["jobs"].append({**job, "step_s": step, "ratio": base / step, "max_rel_loss_diff": diff,
+                            "comm_med_s": statistics.median(job["comm_s"]),
+                            "exposed_med_s": statistics.median(job["exposed_s"]),
+                            "link_bound_s": sent * 8 / parse_rate(spec.link) if spec.link and sent else None,
                             "padding_removed": 1 - job["real_tokens"] / job["padded_tokens"] if job["packed"] else 0.0})
     return out
 
 
 def _table(records: list[dict]) -> list[str]:
+    def seconds(job: dict, key: str) -> str:
+        return "-" if job["backend"] == "gloo" or job[key] is None else f"{job[key]:.3f}"
+
     rows = [[r["layout"], f"{r['tp']} x {r['dp']}", f"{r['params'] / 1e6:.1f} M",
              f"{j['backend']} {'packed' if j['packed'] else 'padded'}", f"{j['step_s']:.3f}",
-             f"{j['ratio']:.2f}x", f"{j['max_rel_loss_diff']:.1e}",
+             f"{j['ratio']:.2f}x", seconds(j, "comm_med_s"), seconds(j, "exposed_med_s"), seconds(j, "link_bound_s"),
+             f"{j['max_rel_loss_diff']:.1e}",
              ", ".join(f"{op}: {'/'.join(sorted(p))}" for op, p in sorted(j["comm_paths"].items())) or "-"]
             for r in records for j in r["jobs"]]
-    return table(["layout", "TP x DP", "params", "job", "step (s)", "ratio", "loss diff", "fast paths"], "llrlrrrl",
-                 rows)
+    return table(["layout", "TP x DP", "params", "job", "step (s)", "ratio", "in collectives (s)", "exposed (s)",
+                  "link bound (s)", "loss diff", "fast paths"], "llrlrrrrrrl", rows)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -95,14 +108,14 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("--steps must be >= 1 and --warmup >= 0")
     model = flags(args, "max_length", "batch", "steps", "warmup", "hidden", "layers", "heads")
     data = flags(args, "data") or flags(args, "samples")
-    command = " ".join(["slipstream bench megatron", *flags(args, "layout", "tp"), *data, *model])
+    command = " ".join(["slipstream bench megatron", *flags(args, "layout", "tp", "no_varlen"), *data, *model])
     sys.stdout.write(command + "\n")
     records = []
     for tp in tps:
         argv = ["--tp", str(tp), *model, *flags(args, "samples", "data")]
         jobs = [launch_worker(WORKER, [*argv, "--backend", backend, *["--packed"] * packed], spec, timeout=args.timeout)
-                for backend, packed in JOBS]
-        records.append(_record(args.layout, jobs))
+                for backend, packed in JOBS if not (packed and args.no_varlen)]
+        records.append(_record(args.layout, jobs, spec))
     notes = ["step: median step time of the slowest rank; ratio = gloo padded step / this step; loss diff: "
              "largest per-step relative difference from gloo padded",
              "worked around in the ranks (megatron-core on CPU): " + "; ".join(CPU_WORKAROUNDS)]

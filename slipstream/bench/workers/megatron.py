@@ -6,7 +6,9 @@ Padded batches use a causal mask; packed ones are one row of the real tokens wit
 ``PackedSeqParams`` through slipstream's packed attention. The loss is the sum of the
 per-token losses over the step's real target tokens of every data-parallel rank, so padded and
 packed runs train the same numbers. The result: the step times (the slowest rank's), the
-losses and the per-collective paths.
+losses, the time slipstream's collectives were in flight and the part a caller waited on
+(``comm_s``, ``exposed_s``: the core's timeline, empty on gloo), the bytes all ranks sent
+across the node links per step, and the per-collective paths.
 
 megatron-core 0.16 asks CUDA for things a CPU run does not need; this worker (and the tests)
 work around them, and only here: see ``CPU_WORKAROUNDS``, printed in the bench's report.
@@ -97,7 +99,7 @@ def train(args: argparse.Namespace) -> dict:
     params = sum(q.numel() for q in model.parameters())
     model = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    times, losses, real, padded = [], [], 0, 0
+    times, losses, comm, exposed, real, padded = [], [], [], [], 0, 0
     for step in range(args.warmup + args.steps):
         if step == args.warmup:
             counters.reset()
@@ -106,14 +108,19 @@ def train(args: argparse.Namespace) -> dict:
         seconds, loss = _step(model, opt, b, args.packed, dp_group)
         times.append(seconds)
         losses.append(loss)
+        spent = counters.timeline.take()  # slipstream's collectives only: gloo's are out of sight
+        comm.append(spent["comm_s"])
+        exposed.append(spent["exposed_s"])
         if step >= args.warmup:
             real += int(b["attention_mask"].sum())
             padded += b["attention_mask"].numel()
-    tokens = torch.tensor([real, padded], dtype=torch.float64)
-    dist.all_reduce(tokens, group=dp_group)
+    tokens = torch.tensor([real, padded, counters.link_bytes() / args.steps], dtype=torch.float64)
+    dist.all_reduce(tokens)
     result = dict(backend=args.backend, tp=args.tp, dp=dp_world, packed=args.packed, params=params,
                   times_s=slowest({"step": times[args.warmup:]})["step"], losses=losses,
-                  real_tokens=tokens[0].item(), padded_tokens=tokens[1].item(), comm_paths=counters.snapshot(),
+                  comm_s=slowest({"c": comm[args.warmup:]})["c"], exposed_s=slowest({"e": exposed[args.warmup:]})["e"],
+                  real_tokens=tokens[0].item() / args.tp, padded_tokens=tokens[1].item() / args.tp,
+                  link_bytes=tokens[2].item(), comm_paths=counters.snapshot(),
                   world_backend=dist.get_backend_config())
     parallel_state.destroy_model_parallel()
     return result
