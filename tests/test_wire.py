@@ -47,6 +47,16 @@ def test_int8_round_trips_within_half_a_block_scale(n, dtype):
         assert (err <= _int8_bound(x) * (1 + 1e-4)).all(), (dtype, n, err.max())
 
 
+@pytest.mark.parametrize("codec", [Int8, Bf16])
+def test_payloads_side_by_side_decode_from_any_row(codec):
+    # an all-gather receives payloads as the rows of one buffer: a row of an odd element count
+    # must not leave the next row's scales at an offset a float32 view refuses
+    xs = [torch.randn(n) for n in (1001, 1001, 1001)]
+    rows = torch.stack([codec.encode(x) for x in xs])
+    for x, row in zip(xs, rows):
+        assert torch.equal(codec.decode(row, x.numel()), codec.decode(codec.encode(x), x.numel()))
+
+
 @pytest.mark.parametrize("n", SIZES)
 def test_bf16_round_trips_as_torchs_own_rounding(n):
     for x in _cases(n):
@@ -134,8 +144,8 @@ def _collectives(rank, world, wire):
     g = torch.Generator().manual_seed(rank)
     scale = 2.0 ** -8 if wire == "bf16" else 1 / 254
     try:
-        # all-reduce of 6000 float32 (24000 bytes, over wire_min_bytes), SUM and AVG
-        x = torch.randn(6000, generator=g) * (1 + rank)
+        # all-reduce of 6001 float32 (24004 bytes, over wire_min_bytes), SUM and AVG
+        x = torch.randn(6001, generator=g) * (1 + rank)  # odd: payload rows of any length
         for op, div in ((R.SUM, 1), (R.AVG, world)):
             ref = x.clone()
             dist.all_reduce(ref)
@@ -148,22 +158,22 @@ def _collectives(rank, world, wire):
             every = [torch.empty_like(got) for _ in range(world)]
             dist.all_gather(every, got)
             assert all(torch.equal(e, every[0]) for e in every), "ranks differ"
-        # reduce-scatter: 4 blocks of 2000
-        inp = torch.randn(world * 2000, generator=g)
-        ref = torch.empty(2000)
+        # reduce-scatter: 4 blocks of 2001
+        inp = torch.randn(world * 2001, generator=g)
+        ref = torch.empty(2001)
         reduce_scatter_tensor(ref, inp.clone())
-        out = torch.empty(2000)
+        out = torch.empty(2001)
         counters.reset()
         comm.reduce_scatter(out, inp)
         peer_partial = max(p.abs().max() for p in _node_partials(inp, world))
         assert (out - ref).abs().max() <= peer_partial * scale * 1.01 + 1e-6
-        full_bytes = 2000 * 4  # what full precision sends to the other node
+        full_bytes = 2001 * 4  # what full precision sends to the other node
         assert counters.link_bytes() < full_bytes * (0.3 if wire == "int8" else 0.51)
         # all-gather: every rank the same values, each row within the format's error
-        piece = torch.randn(2000, generator=g)
-        got = torch.empty(world * 2000)
+        piece = torch.randn(2001, generator=g)
+        got = torch.empty(world * 2001)
         comm.all_gather(got, piece)
-        ref = torch.empty(world * 2000)
+        ref = torch.empty(world * 2001)
         all_gather_into_tensor(ref, piece)
         assert (got - ref).abs().max() <= ref.abs().max() * scale * 1.01
         every = [torch.empty_like(got) for _ in range(world)]
@@ -171,9 +181,9 @@ def _collectives(rank, world, wire):
         assert all(torch.equal(e, every[0]) for e in every), "ranks hold different parameters"
         # kept at full precision: below wire_min_bytes, MAX, integers (whole numbers: every
         # order of summing gives the same bits, and int8 would round most of them)
-        whole = torch.randint(-10**6, 10**6, (6000,), generator=g).float()
+        whole = torch.randint(-10**6, 10**6, (6001,), generator=g).float()
         for t, op in ((whole[:100], R.SUM), (x.clone(), R.MAX),
-                      (torch.randint(-9, 9, (6000,), generator=g), R.SUM)):
+                      (torch.randint(-9, 9, (6001,), generator=g), R.SUM)):
             ref, got = t.clone(), t.clone()
             dist.all_reduce(ref, op=op)
             counters.reset()

@@ -50,7 +50,9 @@ class Int8:
 
     @staticmethod
     def payload_bytes(n: int) -> int:
-        return 4 * -(-n // BLOCK) + n
+        """The scales, then the values, padded to a multiple of 4 bytes: payloads laid side by
+        side (an all-gather's rows) keep every row's scales aligned for a float32 view."""
+        return 4 * -(-n // BLOCK) + -(-n // 4) * 4
 
     @staticmethod
     def encode(x: torch.Tensor) -> torch.Tensor:
@@ -70,14 +72,15 @@ class Int8:
         q = rows.mul(inv[:, None]).round_().clamp_(-127, 127).view(-1)
         q.masked_fill_(~finite, _NON_FINITE)
         payload[: 4 * blocks].view(torch.float32).copy_(scale)
-        payload[4 * blocks:].view(torch.int8).copy_(q[:n])
+        payload[4 * blocks:4 * blocks + n].view(torch.int8).copy_(q[:n])
+        payload[4 * blocks + n:] = 0
         return payload
 
     @staticmethod
     def decode(payload: torch.Tensor, n: int) -> torch.Tensor:
         blocks = -(-n // BLOCK)
         scale = payload[: 4 * blocks].view(torch.float32)
-        q = payload[4 * blocks:].view(torch.int8)
+        q = payload[4 * blocks:4 * blocks + n].view(torch.int8)
         out = torch.zeros(blocks * BLOCK, dtype=torch.float32)
         out[:n].copy_(q)
         out.view(blocks, BLOCK).mul_(scale[:, None])
