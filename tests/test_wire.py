@@ -11,11 +11,21 @@ import torch
 import torch.distributed as dist
 
 from _dist import run_ranks
+from slipstream._common.patch import forget
 from slipstream.core_comm import CommConfig, Communicator, counters
 from slipstream.core_comm._compat import all_gather_into_tensor, reduce_scatter_tensor
 from slipstream.core_comm.transport.codec import BLOCK, Bf16, ErrorFeedback, Int8
 
 R = dist.ReduceOp
+
+
+@pytest.fixture(autouse=True)
+def _no_hook_left():
+    """Each test leaves torch's optimizer hooks as it found them."""
+    yield
+    forget(("comm", "optimizer-step-count"), undo=True)
+
+
 SIZES = (0, 1, BLOCK - 1, BLOCK, BLOCK + 1, 1000)
 
 
@@ -82,6 +92,7 @@ def test_error_feedback_loses_no_more_than_one_rounding_over_many_sends(codec):
     # sum_i decode(encode(x + e_i)) = k x - e_k: whatever one send rounds off, a later one sends.
     x, k = torch.randn(3 * BLOCK + 5, generator=torch.Generator().manual_seed(1)), 40
     feedback, total = ErrorFeedback(), torch.zeros(x.numel())
+    feedback.next_step()  # residuals are kept from the first step end on
     for _ in range(k):
         total += codec.decode(feedback.encode(codec, ("g",), x), x.numel())
         feedback.next_step()
@@ -97,6 +108,7 @@ def test_error_feedback_pairs_each_call_with_the_same_call_of_the_last_step():
     a[0], b[0] = 127.0, -127.0 * 3  # block scales 1 and 3: residuals differ in size
     a[1], b[1] = 0.3, 0.3
     feedback = ErrorFeedback()
+    feedback.next_step()
     sent = [Int8.decode(feedback.encode(Int8, ("g",), t), BLOCK) for t in (a, b)]
     feedback.next_step()
     again = [Int8.decode(feedback.encode(Int8, ("g",), t), BLOCK) for t in (a, b)]
@@ -104,20 +116,55 @@ def test_error_feedback_pairs_each_call_with_the_same_call_of_the_last_step():
         assert ((first + second - 2 * t).abs() <= _int8_bound(t) * (1 + 1e-4)).all()
 
 
-def test_an_optimizer_step_ends_the_feedback_step():
-    feedback, x = ErrorFeedback(), torch.full((BLOCK,), 0.3)
-    x[0] = 127.0
-    first = Int8.decode(feedback.encode(Int8, ("g",), x), BLOCK)
+def _optimizer_step() -> None:
     param = torch.nn.Parameter(torch.zeros(1))
     param.grad = torch.zeros(1)
     torch.optim.SGD([param], lr=0.1).step()
+
+
+def test_an_optimizer_step_ends_the_feedback_step():
+    feedback, x = ErrorFeedback(), torch.full((BLOCK,), 0.3)
+    x[0] = 127.0
+    before = Int8.decode(feedback.encode(Int8, ("g",), x), BLOCK)  # no step ended yet: kept nothing
+    assert feedback.resident_bytes() == 0
+    _optimizer_step()
+    first = Int8.decode(feedback.encode(Int8, ("g",), x), BLOCK)
+    assert torch.equal(before, first)
+    _optimizer_step()
     second = Int8.decode(feedback.encode(Int8, ("g",), x), BLOCK)
     assert not torch.equal(first, second)  # the second send carried the first's rounding
     assert ((first + second - 2 * x).abs() <= _int8_bound(x) * (1 + 1e-4)).all()
 
 
+def test_calls_without_optimizer_steps_keep_nothing():
+    feedback = ErrorFeedback()
+    for _ in range(100):
+        feedback.encode(Int8, ("all_reduce",), torch.randn(1000))
+    assert feedback.resident_bytes() == 0
+
+
+def test_the_optimizer_step_hook_is_listed_and_removed_by_disable():
+    import slipstream
+    from slipstream._common.patch import patches
+
+    ErrorFeedback()
+    ErrorFeedback()  # one hook, however many
+    counting = [p for p in patches() if "counts optimizer steps" in str(p)]
+    assert len(counting) == 1, patches()
+    slipstream.disable()
+    assert not [p for p in patches() if "counts optimizer steps" in str(p)]
+    feedback, x = ErrorFeedback(), torch.full((BLOCK,), 0.3)  # registered again, and counting
+    x[0] = 127.0
+    _optimizer_step()
+    first = Int8.decode(feedback.encode(Int8, ("g",), x), BLOCK)
+    _optimizer_step()
+    assert not torch.equal(first, Int8.decode(feedback.encode(Int8, ("g",), x), BLOCK))
+    slipstream.disable()
+
+
 def test_error_feedback_keeps_nothing_of_an_overflow_and_stays_within_its_cap():
     feedback = ErrorFeedback(cap_bytes=4 * 1000)
+    feedback.next_step()
     bad = torch.ones(600)
     bad[7] = float("inf")
     feedback.encode(Int8, ("g",), bad)

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from ..._common.patch import change
+
 __all__ = ["BLOCK", "CODECS", "Bf16", "ErrorFeedback", "Int8"]
 
 BLOCK = 256
@@ -101,16 +103,18 @@ class ErrorFeedback:
     previous training step: the i-th call of a (kind, size) in a step takes the residual of
     the i-th in the one before. A step ends at every optimizer step (torch's global
     ``register_optimizer_step_post_hook``, which every torch optimizer runs, DeepSpeed's and
-    Megatron's included) or at ``next_step()``. Calls outside any training loop (no optimizer
-    step between them) get no feedback. Past ``cap_bytes`` of residuals in one step, the rest
-    of that step's rounding is not kept."""
+    Megatron's included) or at ``next_step()``. Residuals are kept from the first step end on:
+    calls outside any training loop (no optimizer step among them) keep nothing and get no
+    feedback, and the first step's rounding is not carried. Past ``cap_bytes`` of residuals in
+    one step, the rest of that step's rounding is not kept."""
 
-    __slots__ = ("cap_bytes", "_step", "_previous", "_current", "_seen", "_bytes")
+    __slots__ = ("cap_bytes", "_step", "_stepping", "_previous", "_current", "_seen", "_bytes")
 
     def __init__(self, cap_bytes: int = 2 << 30) -> None:
         _count_optimizer_steps()
         self.cap_bytes = cap_bytes
         self._step = _STEPS[0]
+        self._stepping = False  # a step has ended since this was made: residuals are paired
         self._previous: dict[tuple, torch.Tensor] = {}  # the last step's residuals
         self._current: dict[tuple, torch.Tensor] = {}
         self._seen: dict[tuple, int] = {}  # calls of each (kind, size) so far this step
@@ -119,7 +123,7 @@ class ErrorFeedback:
     def next_step(self) -> None:
         """The training step ends: this step's residuals are the ones the next step takes."""
         self._previous, self._current, self._seen, self._bytes = self._current, {}, {}, 0
-        self._step = _STEPS[0]
+        self._step, self._stepping = _STEPS[0], True
 
     def encode(self, codec, key: tuple, x: torch.Tensor) -> torch.Tensor:
         """``codec``'s payload of ``x`` plus the residual of the same call in the last step;
@@ -133,7 +137,7 @@ class ErrorFeedback:
         target = x.to(torch.float32, copy=True) if kept is None else x.float() + kept
         payload = codec.encode(target)
         residual = target.sub_(codec.decode(payload, x.numel())).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
-        if self._bytes + residual.numel() * 4 <= self.cap_bytes:
+        if self._stepping and self._bytes + residual.numel() * 4 <= self.cap_bytes:
             self._current[key] = residual
             self._bytes += residual.numel() * 4
         return payload
@@ -144,15 +148,25 @@ class ErrorFeedback:
 
 
 _STEPS = [0]  # optimizer steps this process has taken, once an ErrorFeedback asked to count
-_HOOK: list = []
+_HOOK: list = []  # the hook's handle while it is registered
+_HOOK_KEY = ("comm", "optimizer-step-count")
 
 
 def _count_optimizer_steps() -> None:
-    """Count optimizer steps from now on (once per process; the hook only adds one)."""
-    if not _HOOK:
-        from torch.optim.optimizer import register_optimizer_step_post_hook
+    """Count optimizer steps from now on: one global step-post hook per process, recorded in
+    the patch registry (``status()`` lists it, ``disable()`` removes it; the hook only adds
+    one to a counter)."""
+    if _HOOK:
+        return
+    from torch.optim.optimizer import register_optimizer_step_post_hook
 
-        def count(*_args) -> None:
-            _STEPS[0] += 1
+    def count(*_args) -> None:
+        _STEPS[0] += 1
 
-        _HOOK.append(register_optimizer_step_post_hook(count))
+    def undo() -> None:
+        if _HOOK:
+            _HOOK.pop().remove()
+
+    _HOOK.append(register_optimizer_step_post_hook(count))
+    change(_HOOK_KEY, "torch.optim: a global step-post hook that counts optimizer steps "
+           "(the lossy wire's error feedback pairs each step's calls with the last step's)", undo, owner="comm")
