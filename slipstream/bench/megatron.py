@@ -11,8 +11,9 @@ Columns: the median step time of the slowest rank; ratio = gloo padded / this jo
 faster); loss: the largest per-step relative difference from gloo padded; for slipstream's
 jobs, the median time in collectives (some call in flight) and its exposed part (a caller
 waiting), from the core's timeline, and the link bound (the bytes it sent out of a node per
-step at the link's rate). ``--no-varlen`` leaves out the packed job: collectives only. What megatron-core
-needs CUDA for on CPU is worked around in the ranks only, and listed in the report.
+step at the link's rate). ``--no-varlen`` leaves out the packed job: collectives only. What
+megatron-core needs CUDA for on CPU is worked around in the ranks only, and listed in the
+report.
 """
 
 from __future__ import annotations

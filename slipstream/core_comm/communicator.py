@@ -306,7 +306,8 @@ class Communicator:
             return
         work = tensor if tensor.is_contiguous() else tensor.contiguous()
         if algo == "staged":
-            self._stager(tensor.device).all_reduce(work, lambda host: self._cpu_all_reduce(host, op, chunk_bytes, lossy))
+            self._stager(tensor.device).all_reduce(
+                work, lambda host: self._cpu_all_reduce(host, op, chunk_bytes, lossy))
         else:
             self._cpu_all_reduce(work.view(-1), op, chunk_bytes, lossy)
         if work is not tensor:
