@@ -11,7 +11,8 @@ Columns: the median step time of the slowest rank; ratio = gloo padded / this jo
 faster); loss: the largest per-step relative difference from gloo padded; for slipstream's
 jobs, the median time in collectives (some call in flight) and its exposed part (a caller
 waiting), from the core's timeline, and the link bound (the bytes it sent out of a node per
-step at the link's rate). ``--no-varlen`` leaves out the packed job: collectives only. What
+step at the link's rate). ``--no-varlen`` leaves out the packed job: collectives only;
+``--wire bf16|int8`` sends slipstream's gradients across the nodes in that lossy format. What
 megatron-core needs CUDA for on CPU is worked around in the ranks only, and listed in the
 report.
 """
@@ -46,6 +47,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--no-varlen", action="store_true", help="padded jobs only (slipstream's collectives)")
+    parser.add_argument("--wire", choices=("full", "bf16", "int8"), default="full",
+                        help="slipstream jobs: the cross-node format of the gradients (lossy unless full)")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds before every rank is killed")
     parser.add_argument("--json", help="write the records (a JSON list) here")
     parser.add_argument("--markdown", help="write the report (machine, command, table) here")
@@ -109,12 +112,13 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("--steps must be >= 1 and --warmup >= 0")
     model = flags(args, "max_length", "batch", "steps", "warmup", "hidden", "layers", "heads")
     data = flags(args, "data") or flags(args, "samples")
-    command = " ".join(["slipstream bench megatron", *flags(args, "layout", "tp", "no_varlen"), *data, *model])
+    command = " ".join(["slipstream bench megatron", *flags(args, "layout", "tp", "no_varlen", "wire"), *data, *model])
     sys.stdout.write(command + "\n")
     records = []
     for tp in tps:
         argv = ["--tp", str(tp), *model, *flags(args, "samples", "data")]
-        jobs = [launch_worker(WORKER, [*argv, "--backend", backend, *["--packed"] * packed], spec, timeout=args.timeout)
+        jobs = [launch_worker(WORKER, [*argv, "--backend", backend, *["--packed"] * packed], spec,
+                              env={"SLIPSTREAM_WIRE": args.wire}, timeout=args.timeout)
                 for backend, packed in JOBS if not (packed and args.no_varlen)]
         records.append(_record(args.layout, jobs, spec))
     notes = ["step: median step time of the slowest rank; ratio = gloo padded step / this step; loss diff: "
