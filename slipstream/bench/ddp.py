@@ -24,6 +24,7 @@ import sys
 
 from slipstream.cluster import ClusterSpec, parse_rate
 from slipstream.cluster.worker import flags, launch_worker
+from slipstream.core_comm.config import WIRE_FORMATS
 from .report import emit, page, table
 
 __all__ = ["add_arguments", "parse_layout", "run"]
@@ -40,7 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=20, help="timed steps per backend (default 20)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
     parser.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket_cap_mb (default 25)")
-    parser.add_argument("--wire", choices=("full", "bf16", "int8"), default="full",
+    parser.add_argument("--wire", choices=WIRE_FORMATS, default="full",
                         help="slipstream's cross-node format of the gradients (lossy unless full)")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds before every rank is killed")
     parser.add_argument("--json", help="write the records (a JSON list) here")

@@ -25,6 +25,7 @@ import sys
 
 from slipstream.cluster import parse_rate
 from slipstream.cluster.worker import flags, launch_worker
+from slipstream.core_comm.config import WIRE_FORMATS
 from .ddp import parse_layout
 from .report import emit, page, table, version
 
@@ -47,7 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--no-varlen", action="store_true", help="padded jobs only (slipstream's collectives)")
-    parser.add_argument("--wire", choices=("full", "bf16", "int8"), default="full",
+    parser.add_argument("--wire", choices=WIRE_FORMATS, default="full",
                         help="slipstream jobs: the cross-node format of the gradients (lossy unless full)")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds before every rank is killed")
     parser.add_argument("--json", help="write the records (a JSON list) here")

@@ -145,7 +145,7 @@ class Communicator:
                       kind, tuple(tensor.shape), tensor.dtype, op, why)
         nbytes = tensor.numel() * tensor.element_size() if nbytes is None else nbytes
         if algo in ("hierarchical", "staged") and self.wire is not None:
-            wire = wire_format(kind, tensor, op if kind != "all_gather" else None, config=self.config, nbytes=nbytes)
+            wire = wire_format(kind, tensor, op, config=self.config, nbytes=nbytes)
             if wire != "full":
                 return algo, choice, f"{algo}-{wire}", self.wire
         return algo, choice, "cma" if algo == "shm" and self._intra(kind, nbytes) is self.cma else algo, None

@@ -133,8 +133,8 @@ def use_cma(kind: str, nbytes: int) -> bool:
 
 
 def wire_format(kind: str, tensor: torch.Tensor, op, *, config, nbytes: int) -> str:
-    """The cross-node format of a hierarchical ``kind`` of ``tensor`` with ``op`` (None for an
-    all-gather) moving ``nbytes`` in all: ``config.wire`` for an all-gather or a SUM/AVG (also
+    """The cross-node format of a hierarchical ``kind`` of ``tensor`` with ``op`` (not read for
+    an all-gather) moving ``nbytes`` in all: ``config.wire`` for an all-gather or a SUM/AVG (also
     PREMUL_SUM) reduction of a dtype that format makes smaller, of ``config.wire_min_bytes`` or
     more; else ``"full"``. MAX, MIN and PRODUCT, integers and small messages are never rounded."""
     codec = CODECS.get(config.wire)

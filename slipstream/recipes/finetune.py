@@ -13,6 +13,7 @@ from pathlib import Path
 
 from ..cluster import ClusterSpec
 from ..cluster.worker import flags, launch_worker
+from ..core_comm.config import WIRE_FORMATS
 
 WORKERS = {"deepspeed": "slipstream.recipes._deepspeed_worker", "fsdp": "slipstream.recipes._fsdp_worker"}
 # Options handed to every rank unchanged
@@ -37,7 +38,7 @@ def add_arguments(p) -> None:
                    help="with --stack fsdp: a 2-D mesh, shard inside a node and replicate across nodes "
                         "(with --compare: stock full sharding, stock HSDP and slipstream HSDP)")
     p.add_argument("--no-varlen", action="store_true", help="slipstream's collectives only (no padding removal)")
-    p.add_argument("--wire", choices=("full", "bf16", "int8"), default=None,
+    p.add_argument("--wire", choices=WIRE_FORMATS, default=None,
                    help="slipstream runs: the cross-node format of gradients and gathered parameters "
                         "(lossy; default: the config's, full precision); --compare then shows the loss drift")
     p.add_argument("--compile", action="store_true", help="slipstream runs: the compile strategy chosen by "

@@ -131,8 +131,9 @@ class ErrorFeedback:
         not poison the next)."""
         if self._step != _STEPS[0]:
             self.next_step()
-        ordinal = self._seen[key] = self._seen.get(key, -1) + 1
-        key = (*key, x.numel(), ordinal)
+        call = (*key, x.numel())
+        ordinal = self._seen[call] = self._seen.get(call, -1) + 1
+        key = (*call, ordinal)
         kept = self._previous.pop(key, None)
         target = x.to(torch.float32, copy=True) if kept is None else x.float() + kept
         payload = codec.encode(target)
