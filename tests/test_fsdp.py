@@ -298,3 +298,69 @@ def test_distributed_checkpoints_interchange_with_stock_fsdp2(tmp_path, ours_sav
     for saved, loaded in run_ranks(_checkpoint_interchange, 2, str(tmp_path / "ckpt"), ours_saves, rank_env=env,
                                    timeout=300):
         assert loaded == pytest.approx(saved, rel=1e-6)
+
+
+def _overlap_against_blocking(rank, world, hsdp):
+    """FSDP2 (or HSDP) trained twice through the core, the reductions blocking and issued
+    during backward (``overlap``): bit-equal losses, gradients and weights; the core's timeline
+    says which collectives ran while this rank computed (hidden) and which it waited for. A third
+    run issues only the reductions during backward (FSDP2's prefetched all-gathers blocking), so
+    its hidden time is theirs."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group
+
+    from slipstream import fsdp
+    from slipstream.core_comm import counters
+    from slipstream.core_comm.config import CommConfig
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")) if hsdp else None
+    stock_reduce = _fsdp_param_group.foreach_reduce
+    runs = {}
+    for overlap in (False, True, "reductions only"):
+        torch.manual_seed(0)
+        model = Tiny(False)
+        for layer in (model.body[0], model.body[2], model.body[4]):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        fsdp.apply(model, CommConfig(overlap=bool(overlap)))
+        if overlap == "reductions only":
+            for module in model.modules():
+                if hasattr(module, "_get_fsdp_state"):
+                    for group in module._get_fsdp_state()._fsdp_param_groups:
+                        group.unshard_async_op = False
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        gen = torch.Generator().manual_seed(rank)
+        counters.timeline.take()
+        losses, grads = [], []
+        for _ in range(3):
+            ids = torch.randint(0, 50, (6, 5), generator=gen)
+            loss = torch.nn.functional.cross_entropy(model(ids).flatten(0, 1), ids.roll(1, 1).flatten())
+            loss.backward()
+            grads += [p.grad.to_local().clone() for p in model.parameters()]
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        timeline = counters.timeline.take()
+        weights = [p.to_local().detach().clone() for p in model.parameters()]
+        fsdp.remove(model)
+        assert _fsdp_param_group.foreach_reduce is stock_reduce, "remove left FSDP2's foreach_reduce patched"
+        runs[overlap] = losses, grads + weights, timeline
+    blocking = runs[False]
+    for overlapped in (runs[True], runs["reductions only"]):
+        assert blocking[0] == overlapped[0], "losses differ from the blocking path's"
+        for a, b in zip(blocking[1], overlapped[1], strict=True):
+            assert torch.equal(a, b), "gradients or weights differ from the blocking path's"
+    return blocking[2], runs[True][2], runs["reductions only"][2]
+
+
+@pytest.mark.parametrize("nodes, hsdp", [((0, 0), False), ((0, 0, 1, 1), False), ((0, 0, 1, 1), True)],
+                         ids=["fsdp2-1node", "fsdp2-2nodes", "hsdp-2nodes"])
+def test_fsdp2_reductions_run_while_backward_computes_bit_equal_to_blocking(nodes, hsdp):
+    env = [{"SLIPSTREAM_NODE": str(n)} for n in nodes]
+    for blocking, overlapped, reductions in run_ranks(_overlap_against_blocking, len(nodes), hsdp, rank_env=env,
+                                                      timeout=300):
+        assert blocking["hidden_s"] == 0.0 and blocking["exposed_s"] > 0, blocking  # every collective held the rank
+        # a reduction in flight while backward went on (the core's own timestamps)
+        assert reductions["hidden_s"] > 0, reductions
+        assert overlapped["hidden_s"] > 0, overlapped

@@ -21,10 +21,12 @@ from ...core_comm import pool
 from ...core_comm.config import CommConfig
 from ..._common.record import note_stack, warn_once
 from ..._common.patch import change, forget, patch, unpatch
+from . import overlap as _overlap
 
 __all__ = ["apply", "remove", "SlipstreamAllGather", "SlipstreamReduceScatter", "is_applied"]
 
 _ORIGINALS = "_slipstream_fsdp_comms"  # on each switched module: its param groups' comms before
+_OVERLAPPED = "_slipstream_fsdp_overlap"  # on each module switched with overlap: its groups' settings before
 
 
 def _api():
@@ -41,8 +43,10 @@ def _classes():
     _, AllGather, ReduceScatter = _api()
 
     class _Core:
-        def __init__(self, config: CommConfig | None = None) -> None:
+        def __init__(self, config: CommConfig | None = None, overlap: bool = False) -> None:
             self.config = config
+            self.overlap = overlap
+            """Whether ``overlap.py`` may issue this module's reductions during backward."""
 
         def allocate(self, size, *, dtype, device):
             return torch.empty(*size, dtype=dtype, device=device)
@@ -59,6 +63,9 @@ def _classes():
 
         def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
             comm = pool.get(group, config=self.config)
+            if not async_op and _overlap.DEFERRAL.take("reduce_scatter"):
+                _overlap.DEFERRAL.pending.append(comm.reduce_scatter(output_tensor, input_tensor, op, async_op=True))
+                return None
             work = comm.reduce_scatter(output_tensor, input_tensor, op, async_op=async_op)
             return work.returning([output_tensor]) if async_op else None
 
@@ -82,6 +89,7 @@ def apply(model: torch.nn.Module, config: CommConfig | None = None) -> list[str]
     if config is not None and not isinstance(config, CommConfig):
         raise TypeError(f"config must be a CommConfig, got {type(config).__name__}")
     gather_cls, scatter_cls = _classes()
+    overlapped = (config if config is not None else CommConfig.default()).overlap
     modules = [(name, module) for name, module in model.named_modules() if isinstance(module, FSDPModule)]
     if not modules:
         raise ValueError(f"{type(model).__name__} has no FSDP2 module: call fully_shard on it (and its layers) first")
@@ -98,8 +106,10 @@ def apply(model: torch.nn.Module, config: CommConfig | None = None) -> list[str]
             continue
         before = [(g._all_gather_comm, g._reduce_scatter_comm) for g in groups]
         module.set_custom_all_gather(gather_cls(config))
-        module.set_custom_reduce_scatter(scatter_cls(config))
+        module.set_custom_reduce_scatter(scatter_cls(config, overlapped))
         vars(module)[_ORIGINALS] = before
+        if overlapped:
+            vars(module)[_OVERLAPPED] = _overlap.engage(groups)
         for g in groups:  # HSDP: the replicate group's all-reduce of each reduce-scatter output
             replicate = getattr(g.mesh_info, "replicate_process_group", None)
             if replicate is not None:
@@ -110,7 +120,8 @@ def apply(model: torch.nn.Module, config: CommConfig | None = None) -> list[str]
         change(("fsdp2", id(model)), f"{type(model).__name__}: FSDP2 all-gathers and reduce-scatters through the core",
                lambda: ref() is not None and remove(ref()), owner="fsdp", target=model)
     note_stack("fsdp", engaged=bool(switched), by="slipstream.fsdp.apply", modules_through_the_core=len(switched),
-               hsdp_replicate_all_reduce="through the core" if _HSDP.groups else None)
+               hsdp_replicate_all_reduce="through the core" if _HSDP.groups else None,
+               reductions_during_backward=bool(switched) and overlapped)
     return switched
 
 
@@ -121,6 +132,8 @@ def remove(model: torch.nn.Module) -> None:
         before = vars(module).pop(_ORIGINALS, None)
         if before is None:
             continue
+        if _OVERLAPPED in vars(module):
+            _overlap.release(module._get_fsdp_state()._fsdp_param_groups, vars(module).pop(_OVERLAPPED))
         for group, (gather, scatter) in zip(module._get_fsdp_state()._fsdp_param_groups, before):
             group._all_gather_comm, group._reduce_scatter_comm = gather, scatter
             replicate = getattr(group.mesh_info, "replicate_process_group", None)
@@ -171,7 +184,11 @@ class _DistView:
         entry = self._routes.groups.get(id(group))
         if entry is None:
             return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
-        work = pool.get(group, config=entry[1]).all_reduce(tensor, op, async_op=async_op)
+        comm = pool.get(group, config=entry[1])
+        if not async_op and _overlap.DEFERRAL.take("all_reduce"):
+            _overlap.DEFERRAL.pending.append(comm.all_reduce(tensor, op, async_op=True))
+            return None
+        work = comm.all_reduce(tensor, op, async_op=async_op)
         return work.returning([tensor]) if async_op else None
 
 

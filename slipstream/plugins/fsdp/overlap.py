@@ -1,0 +1,159 @@
+"""FSDP2's gradient reductions run while backward goes on (``"comm": {"overlap": true}``).
+
+On a CPU, FSDP2 calls its collectives synchronously: ``foreach_reduce`` reduce-scatters a
+layer's gradients (and, under HSDP, all-reduces the result across replicas) and the rank waits,
+and the parameter all-gathers it prefetches during backward block too. For the modules
+``fsdp2.apply`` switched with overlap on:
+
+- the reduction that ends a layer's ``foreach_reduce`` is issued on the communicator's thread
+  and backward goes on: the reduce-scatter, or under HSDP the all-reduce across replicas (the
+  one that crosses the nodes; the reduce-scatter before it, inside a node, still blocks);
+- the all-gathers FSDP2 prefetches are issued asynchronously (its ``unshard_async_op``), so
+  they queue behind the reductions in flight instead of waiting for them, and FSDP2 waits on
+  their ``Work`` where it needs the parameters;
+- every reduction in flight is waited for at the end of backward (the root's final
+  callback), before anything reads a gradient; a failed one raises there.
+
+A reduction is issued this way only where ``foreach_reduce`` does nothing with its result
+afterwards but make the sharded gradients views of it: the division done by the collective
+(AVG), no cast to another dtype, no gradient already there to add to, no post-accumulate-grad
+hook, no CPU offload, no all-reduce hook, HSDP reducing rather than accumulating. Any other
+call blocks, as FSDP2's own. The same values are reduced in the same order: results are
+bit-equal to the blocking path's.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+from ..._common.patch import patch, unpatch
+
+__all__ = ["engage", "release", "drain", "Deferral"]
+
+
+class Deferral:
+    """The reductions in flight of this process's overlapped FSDP2 modules."""
+
+    def __init__(self) -> None:
+        self.pending: list = []
+        """``Work`` of the reductions issued, in order, not yet waited for."""
+        self.issuing: str | None = None
+        """While a deferred ``foreach_reduce`` runs: the call to issue asynchronously,
+        ``"reduce_scatter"`` or ``"all_reduce"``."""
+        self.modules = 0
+        """Modules switched with overlap: the patches stay while there is one."""
+
+    def take(self, kind: str) -> bool:
+        """Whether the ``kind`` call now running is the one to issue asynchronously."""
+        return self.issuing == kind
+
+    def drain(self) -> None:
+        """Wait for every reduction in flight, in order; the first failure raises once all
+        were waited for (none is left running on a buffer FSDP2 frees)."""
+        first = None
+        while self.pending:
+            work = self.pending.pop(0)
+            try:
+                work.wait()
+            except Exception as e:  # noqa: BLE001 - the first is raised below
+                first = first or e
+        if first is not None:
+            raise first
+
+
+DEFERRAL = Deferral()
+
+
+def drain() -> None:
+    DEFERRAL.drain()
+
+
+def engage(groups) -> list:
+    """Overlap the FSDP2 parameter ``groups`` of one module; returns what ``release`` puts back."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group, _fsdp_state
+
+    before = [g.unshard_async_op for g in groups]
+    for g in groups:
+        g.unshard_async_op = True
+    if DEFERRAL.modules == 0:
+        patch(_fsdp_param_group, "foreach_reduce", _deferring(_fsdp_param_group.foreach_reduce), owner="fsdp")
+        patch(_fsdp_state.FSDPState, "_root_post_backward_final_callback",
+              _draining(_fsdp_state.FSDPState._root_post_backward_final_callback), owner="fsdp")
+    DEFERRAL.modules += 1
+    return before
+
+
+def release(groups, before: list) -> None:
+    """Undo ``engage`` for one module (after waiting for what is in flight)."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group, _fsdp_state
+
+    DEFERRAL.drain()
+    for g, was in zip(groups, before):
+        g.unshard_async_op = was
+    DEFERRAL.modules -= 1
+    if DEFERRAL.modules == 0:
+        unpatch(_fsdp_param_group, "foreach_reduce")
+        unpatch(_fsdp_state.FSDPState, "_root_post_backward_final_callback")
+
+
+def _deferring(original):
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def foreach_reduce(*args, **kwargs):
+        kind = _deferrable(signature, args, kwargs)
+        if kind is None:
+            return original(*args, **kwargs)
+        DEFERRAL.issuing = kind
+        try:
+            return original(*args, **kwargs)
+        finally:
+            DEFERRAL.issuing = None
+
+    return foreach_reduce
+
+
+def _draining(original):
+    @functools.wraps(original)
+    def final_callback(self, *args, **kwargs):
+        try:
+            original(self, *args, **kwargs)
+        except BaseException:
+            try:
+                DEFERRAL.drain()
+            except Exception:  # noqa: BLE001 - the callback's own error is the one raised
+                pass
+            raise
+        DEFERRAL.drain()
+
+    return final_callback
+
+
+def _deferrable(signature, args, kwargs) -> str | None:
+    """Which call of this ``foreach_reduce`` may run on after it returns (see the module
+    docstring), or None: every call blocks."""
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import _get_gradient_divide_factors
+
+    try:
+        a = signature.bind(*args, **kwargs).arguments
+        comm, grads, params = a["reduce_scatter_comm"], a["unsharded_grads"], a["fsdp_params"]
+        if not getattr(comm, "overlap", False) or a["device"].type != "cpu" or not grads:
+            return None
+        reduce_dtype = a["reduce_dtype"] or grads[0].dtype
+        group, replicas = a["reduce_scatter_group"], a["all_reduce_group"]
+        _, postdivide, _, _ = _get_gradient_divide_factors(group, replicas, reduce_dtype, "cpu",
+                                                           a["gradient_divide_factor"],
+                                                           a.get("force_sum_reduction_for_comms", False))
+    except (KeyError, TypeError, AttributeError):  # another torch's foreach_reduce: stock
+        return None
+    if postdivide is not None or reduce_dtype != (a["orig_dtype"] or reduce_dtype) or a["all_reduce_hook"] is not None:
+        return None
+    if any(p.sharded_param.grad is not None or p.offload_to_cpu
+           or getattr(p.sharded_param, "_post_accumulate_grad_hooks", None) for p in params):
+        return None
+    if replicas is None:
+        return "reduce_scatter" if group is not None and group.size() > 1 else None
+    if not a["all_reduce_grads"] or a["partial_reduce_output"] is not None:
+        return None
+    return "all_reduce"
