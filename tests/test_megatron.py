@@ -330,13 +330,14 @@ def test_packed_attention_refuses_what_it_does_not_compute_by_name():
 
 def test_bench_megatron_runs_gloo_and_slipstream_padded_and_packed_with_equal_losses(tmp_path):
     """``slipstream bench megatron`` end to end on one node: a GPT at TP=2 trained with
-    Megatron's DDP across the two TP pairs (TP=2 x DP=2 on one node), three jobs."""
+    Megatron's DDP across the two TP pairs (TP=2 x DP=2 on one node), three jobs, with
+    Megatron's ``overlap_grad_reduce`` (small buckets, all-reduced during backward)."""
     from slipstream.cli import main
 
     figures = tmp_path / "records.json"
     assert main(["bench", "megatron", "--layout", "1x4", "--tp", "2", "--samples", "64", "--max-length", "256",
                  "--batch", "4", "--steps", "2", "--warmup", "1", "--hidden", "64", "--layers", "2", "--heads", "4",
-                 "--json", str(figures)]) == 0
+                 "--overlap", "--bucket", "20000", "--json", str(figures)]) == 0
     (record,) = json.loads(figures.read_text())
     stock, padded, packed = record["jobs"]
     assert (stock["backend"], padded["backend"], packed["backend"]) == ("gloo", "slipstream", "slipstream")
@@ -351,6 +352,8 @@ def test_bench_megatron_runs_gloo_and_slipstream_padded_and_packed_with_equal_lo
     # where the step's time goes: slipstream's collectives on the core's timeline, none for gloo
     assert len(padded["comm_s"]) == 2 and min(padded["comm_s"]) > 0 and max(stock["comm_s"]) == 0
     assert all(0 <= e <= c + 1e-3 for e, c in zip(padded["exposed_s"], padded["comm_s"]))
+    # overlap_grad_reduce: a bucket's all-reduce in flight on the core's thread while backward went on
+    assert padded["overlap"] and max(padded["hidden_s"]) > 0, padded
 
 
 def test_bench_megatron_refuses_a_tp_that_crosses_nodes():

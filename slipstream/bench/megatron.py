@@ -12,7 +12,10 @@ faster); loss: the largest per-step relative difference from gloo padded; for sl
 jobs, the median time in collectives (some call in flight) and its exposed part (a caller
 waiting), from the core's timeline, and the link bound (the bytes it sent out of a node per
 step at the link's rate). ``--no-varlen`` leaves out the packed job: collectives only;
-``--wire bf16|int8`` sends slipstream's gradients across the nodes in that lossy format. What
+``--wire bf16|int8`` sends slipstream's gradients across the nodes in that lossy format;
+``--overlap`` turns on Megatron DDP's ``overlap_grad_reduce`` in every job (buckets of
+``--bucket`` elements all-reduced asynchronously during backward, on gloo's threads or the
+core's). What
 megatron-core needs CUDA for on CPU is worked around in the ranks only, and listed in the
 report.
 """
@@ -50,6 +53,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-varlen", action="store_true", help="padded jobs only (slipstream's collectives)")
     parser.add_argument("--wire", choices=WIRE_FORMATS, default="full",
                         help="slipstream jobs: the cross-node format of the gradients (lossy unless full)")
+    parser.add_argument("--overlap", action="store_true",
+                        help="every job: Megatron DDP's overlap_grad_reduce (bucket all-reduces during backward)")
+    parser.add_argument("--bucket", type=int, default=1_000_000,
+                        help="with --overlap: Megatron DDP's bucket size in elements (default 1000000)")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds before every rank is killed")
     parser.add_argument("--json", help="write the records (a JSON list) here")
     parser.add_argument("--markdown", help="write the report (machine, command, table) here")
@@ -111,13 +118,17 @@ def run(args: argparse.Namespace) -> int:
     tps = _tps(args.tp, spec.ranks_per_node)
     if args.steps < 1 or args.warmup < 0:
         raise SystemExit("--steps must be >= 1 and --warmup >= 0")
+    if args.bucket < 1:
+        raise SystemExit(f"--bucket must be >= 1 element, got {args.bucket}")
     model = flags(args, "max_length", "batch", "steps", "warmup", "hidden", "layers", "heads")
     data = flags(args, "data") or flags(args, "samples")
-    command = " ".join(["slipstream bench megatron", *flags(args, "layout", "tp", "no_varlen", "wire"), *data, *model])
+    overlap = flags(args, "overlap", "bucket") if args.overlap else []
+    command = " ".join(["slipstream bench megatron", *flags(args, "layout", "tp", "no_varlen", "wire"), *overlap, *data,
+                        *model])
     sys.stdout.write(command + "\n")
     records = []
     for tp in tps:
-        argv = ["--tp", str(tp), *model, *flags(args, "samples", "data")]
+        argv = ["--tp", str(tp), *model, *overlap, *flags(args, "samples", "data")]
         jobs = [launch_worker(WORKER, [*argv, "--backend", backend, *["--packed"] * packed], spec,
                               env={"SLIPSTREAM_WIRE": args.wire}, timeout=args.timeout)
                 for backend, packed in JOBS if not (packed and args.no_varlen)]

@@ -7,7 +7,8 @@ Padded batches use a causal mask; packed ones are one row of the real tokens wit
 per-token losses over the step's real target tokens of every data-parallel rank, so padded and
 packed runs train the same numbers. The result: the step times (the slowest rank's), the
 losses, the time slipstream's collectives were in flight and the part a caller waited on
-(``comm_s``, ``exposed_s``: the core's timeline, empty on gloo), the bytes all ranks sent
+(``comm_s``, ``exposed_s``, and ``hidden_s`` in flight while no caller waited: the core's
+timeline, empty on gloo), the bytes all ranks sent
 across the node links per step, and the per-collective paths.
 
 megatron-core 0.16 asks CUDA for things a CPU run does not need; this worker (and the tests)
@@ -74,7 +75,7 @@ def next_token_batch(samples: list[dict], pad_id: int) -> dict:
 
 def options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", choices=("gloo", "slipstream"), required=True)
-    add_flags(p, {"--tp": int, "--packed": False, "--data": None, "--samples": 400, "--max-length": 512, "--batch": 8,
+    add_flags(p, {"--tp": int, "--packed": False, "--overlap": False, "--bucket": 1_000_000, "--data": None, "--samples": 400, "--max-length": 512, "--batch": 8,
                   "--steps": 10, "--warmup": 2, "--hidden": 256, "--layers": 4, "--heads": 8, "--lr": 1e-3,
                   "--seed": 0})
 
@@ -97,9 +98,13 @@ def train(args: argparse.Namespace) -> dict:
     vocab = math.ceil(len(tokenizer) / (128 * args.tp)) * 128 * args.tp  # Megatron pads the vocabulary so
     model, config = gpt(args.hidden, args.layers, args.heads, vocab, args.max_length, args.tp)
     params = sum(q.numel() for q in model.parameters())
-    model = DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)
+    # --overlap: each bucket's all-reduce issued asynchronously as backward fills it, waited in
+    # finish_grad_sync (Megatron's own overlap_grad_reduce, on either backend)
+    ddp = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=args.overlap,
+                                        bucket_size=args.bucket if args.overlap else None)
+    model = DistributedDataParallel(config, ddp, model)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    times, losses, comm, exposed, real, padded = [], [], [], [], 0, 0
+    times, losses, comm, exposed, hidden, real, padded = [], [], [], [], [], 0, 0
     for step in range(args.warmup + args.steps):
         if step == args.warmup:
             counters.reset()
@@ -111,14 +116,16 @@ def train(args: argparse.Namespace) -> dict:
         spent = counters.timeline.take()  # slipstream's collectives only: gloo's are out of sight
         comm.append(spent["comm_s"])
         exposed.append(spent["exposed_s"])
+        hidden.append(spent["hidden_s"])
         if step >= args.warmup:
             real += int(b["attention_mask"].sum())
             padded += b["attention_mask"].numel()
     tokens = torch.tensor([real, padded, counters.link_bytes() / args.steps], dtype=torch.float64)
     dist.all_reduce(tokens)
-    result = dict(backend=args.backend, tp=args.tp, dp=dp_world, packed=args.packed, params=params,
+    result = dict(backend=args.backend, tp=args.tp, dp=dp_world, packed=args.packed, overlap=args.overlap, params=params,
                   times_s=slowest({"step": times[args.warmup:]})["step"], losses=losses,
-                  comm_s=slowest({"c": comm[args.warmup:]})["c"], exposed_s=slowest({"e": exposed[args.warmup:]})["e"],
+                  **slowest({"comm_s": comm[args.warmup:], "exposed_s": exposed[args.warmup:],
+                             "hidden_s": hidden[args.warmup:]}),
                   real_tokens=tokens[0].item() / args.tp, padded_tokens=tokens[1].item() / args.tp,
                   link_bytes=tokens[2].item(), comm_paths=counters.snapshot(),
                   world_backend=dist.get_backend_config())
