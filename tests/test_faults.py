@@ -146,6 +146,7 @@ CASES = [
     ("other_call", 1, 1, "all_reduce", {}, TIMED + "|" + DIED),
     ("fsdp", 1, 1, "all_gather", {}, DIED),
     ("fsdp", 2, 3, "all_gather", {"SLIPSTREAM_CONNECTIONS": "2"}, DIED),
+    ("fsdp", 2, 1, "reduce_scatter", {"SLIPSTREAM_OVERLAP": "1"}, DIED),  # reductions during backward
     ("megatron", 1, 1, "all_reduce", {}, DIED),  # TP=2
     ("megatron", 2, 1, "all_reduce", {"SLIPSTREAM_CONNECTIONS": "2"}, DIED),  # TP=2 in each node x DP=2 across
     ("deepspeed", 1, 1, "all_reduce", {}, DIED),
