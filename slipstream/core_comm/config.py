@@ -55,9 +55,9 @@ class CommConfig(Settings):
     """Adapters issue a stack's gradient reductions asynchronously and wait where the stack
     needs their result (ZeRO-1/2: full buckets during backward, waited at its end; FSDP2 / HSDP:
     each layer's reduction during backward, waited at its end), so the link works while the
-    cores compute. Off (the default): each reduction blocks, as the stack
-    does. Opt-in because on a CPU the collectives' own work competes with compute for the
-    cores: measured on 2 cores, a net gain on a 100 Mbit/s link, a loss on 1 Gbit/s
+    cores compute. Off (the default): each reduction blocks, as the stack does. Opt-in because
+    on a CPU the collectives' own work competes with compute for the cores: measured on 2
+    cores, a net gain on a 100 Mbit/s link (ZeRO-2, FSDP2), a loss for ZeRO-2 on 1 Gbit/s
     (benchmarks/results/overlap_*)."""
 
     wire: str = "full"

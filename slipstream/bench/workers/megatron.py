@@ -8,8 +8,8 @@ per-token losses over the step's real target tokens of every data-parallel rank,
 packed runs train the same numbers. The result: the step times (the slowest rank's), the
 losses, the time slipstream's collectives were in flight and the part a caller waited on
 (``comm_s``, ``exposed_s``, and ``hidden_s`` in flight while no caller waited: the core's
-timeline, empty on gloo), the bytes all ranks sent
-across the node links per step, and the per-collective paths.
+timeline, empty on gloo), the bytes all ranks sent across the node links per step, and the
+per-collective paths.
 
 megatron-core 0.16 asks CUDA for things a CPU run does not need; this worker (and the tests)
 work around them, and only here: see ``CPU_WORKAROUNDS``, printed in the bench's report.
@@ -75,9 +75,9 @@ def next_token_batch(samples: list[dict], pad_id: int) -> dict:
 
 def options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", choices=("gloo", "slipstream"), required=True)
-    add_flags(p, {"--tp": int, "--packed": False, "--overlap": False, "--bucket": 1_000_000, "--data": None, "--samples": 400, "--max-length": 512, "--batch": 8,
-                  "--steps": 10, "--warmup": 2, "--hidden": 256, "--layers": 4, "--heads": 8, "--lr": 1e-3,
-                  "--seed": 0})
+    add_flags(p, {"--tp": int, "--packed": False, "--overlap": False, "--bucket": 1_000_000, "--data": None,
+                  "--samples": 400, "--max-length": 512, "--batch": 8, "--steps": 10, "--warmup": 2, "--hidden": 256,
+                  "--layers": 4, "--heads": 8, "--lr": 1e-3, "--seed": 0})
 
 
 def train(args: argparse.Namespace) -> dict:
@@ -122,7 +122,8 @@ def train(args: argparse.Namespace) -> dict:
             padded += b["attention_mask"].numel()
     tokens = torch.tensor([real, padded, counters.link_bytes() / args.steps], dtype=torch.float64)
     dist.all_reduce(tokens)
-    result = dict(backend=args.backend, tp=args.tp, dp=dp_world, packed=args.packed, overlap=args.overlap, params=params,
+    result = dict(backend=args.backend, tp=args.tp, dp=dp_world, packed=args.packed, overlap=args.overlap,
+                  params=params,
                   times_s=slowest({"step": times[args.warmup:]})["step"], losses=losses,
                   **slowest({"comm_s": comm[args.warmup:], "exposed_s": exposed[args.warmup:],
                              "hidden_s": hidden[args.warmup:]}),

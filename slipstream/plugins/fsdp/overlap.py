@@ -29,7 +29,7 @@ import inspect
 
 from ..._common.patch import patch, unpatch
 
-__all__ = ["engage", "release", "drain", "Deferral"]
+__all__ = ["DEFERRAL", "Deferral", "engage", "release"]
 
 
 class Deferral:
@@ -63,10 +63,6 @@ class Deferral:
 
 
 DEFERRAL = Deferral()
-
-
-def drain() -> None:
-    DEFERRAL.drain()
 
 
 def engage(groups) -> list:
