@@ -117,9 +117,11 @@ def _autoload() -> str:
 
 
 def _flag(name: str, default: bool) -> bool:
-    raw = os.environ.get(name)
+    """A boolean variable as the start-up hook reads it (``slipstream_autoload._flag``): unset,
+    empty or unreadable is ``default``."""
+    raw = os.environ.get(name, "")
     try:
-        return default if raw is None else parse_bool(raw)
+        return parse_bool(raw) if raw.strip() else default
     except ValueError:
         return default
 

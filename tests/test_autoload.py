@@ -53,3 +53,17 @@ print("ok")
 
 def test_enable_switches_deepspeed_and_disable_restores_it():
     _run_ok(ENABLE_SCRIPT)
+
+
+@pytest.mark.parametrize("value", [None, "", "  ", "0", "off", "1", "yes", "maybe"])
+def test_status_reads_slipstream_autoload_as_the_start_up_hook_does(monkeypatch, value):
+    """``slipstream.status()`` says the hook is off exactly when the hook's own parser says so."""
+    import slipstream
+    import slipstream_autoload
+
+    if value is None:
+        monkeypatch.delenv("SLIPSTREAM_AUTOLOAD", raising=False)
+    else:
+        monkeypatch.setenv("SLIPSTREAM_AUTOLOAD", value)
+    hook_on = slipstream_autoload._flag("SLIPSTREAM_AUTOLOAD", True)
+    assert (slipstream.status()["autoload"] == "off (SLIPSTREAM_AUTOLOAD=0)") is (not hook_on)
