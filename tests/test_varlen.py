@@ -233,9 +233,18 @@ def test_gradient_checkpointing_keeps_exactness():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", ["auto", "sdpa", "flex"])
-def test_bf16_gpu_backends_match_padded_sdpa(backend):
-    ref = _model().cuda().to(torch.bfloat16)
+@pytest.mark.parametrize("name", ["llama-tiny", "mistral-tiny"])  # grouped-query; and a sliding window
+@pytest.mark.parametrize("backend", ["auto", "sdpa", "flex", "torch_varlen", "torch_varlen-no-enable_gqa"])
+def test_bf16_gpu_backends_match_padded_sdpa(backend, name, monkeypatch):
+    from slipstream.core_compile.varlen import attention
+
+    if backend.startswith("torch_varlen") and attention._why_not("torch_varlen", torch.ones(1, device="cuda",
+                                                                                          dtype=torch.bfloat16), 0.0):
+        pytest.skip("this torch's varlen_attn cannot run here")
+    if backend == "torch_varlen-no-enable_gqa":  # as torch 2.11's: the key/value heads repeated instead
+        backend, params = "torch_varlen", attention._torch_varlen_params()
+        monkeypatch.setattr(attention, "_torch_varlen_params", lambda: params - {"enable_gqa"})
+    ref = _model(name).cuda().to(torch.bfloat16)
     ours = copy.deepcopy(ref)
     apply_varlen(ours, VarlenConfig(backend=backend))
     ids, mask, labels = (t.cuda() for t in _padded([30, 5, 17, 1]))

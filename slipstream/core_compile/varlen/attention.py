@@ -16,7 +16,9 @@ silently getting another would hide a misconfiguration.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import inspect
 from dataclasses import dataclass, field
 
 import torch
@@ -59,6 +61,9 @@ def _why_not(backend: str, q: torch.Tensor, dropout: float) -> str | None:
             return "this torch has no torch.nn.attention.varlen (torch >= 2.9)"
         if dropout > 0:
             return "torch varlen_attn has no attention dropout"
+        missing = {"scale", "window_size"} - _torch_varlen_params()
+        if missing:
+            return f"this torch's varlen_attn takes no {' or '.join(sorted(missing))} argument"
     elif backend == "flex":
         if importlib.util.find_spec("torch.nn.attention.flex_attention") is None:
             return "this torch has no FlexAttention"
@@ -118,9 +123,23 @@ def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     else:
         from torch.nn.attention.varlen import varlen_attn
 
-        out = varlen_attn(q, k, v, cu, cu, n, n, scale=scaling, window_size=(window[0], 0),
-                          enable_gqa=q.shape[1] != k.shape[1])
+        gqa = {}
+        if q.shape[1] != k.shape[1]:
+            if "enable_gqa" in _torch_varlen_params():
+                gqa["enable_gqa"] = True
+            else:  # e.g. torch 2.11: each key/value head repeated for its queries, as Hugging Face's repeat_kv
+                k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+        out = varlen_attn(q, k, v, cu, cu, n, n, scale=scaling, window_size=(window[0], 0), **gqa)
     return out.unsqueeze(0)
+
+
+@functools.cache
+def _torch_varlen_params() -> frozenset[str]:
+    """The arguments this torch's ``varlen_attn`` takes: its first releases had neither ``scale``
+    nor ``window_size``; torch 2.11's has both but no ``enable_gqa``."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    return frozenset(inspect.signature(varlen_attn).parameters)
 
 
 def _window_mask(length: int, window: int, device: torch.device) -> torch.Tensor:
