@@ -45,3 +45,32 @@ def test_bench_compile_reports_every_candidate_of_three_models(tmp_path):
         assert r["report"]["chosen"] == "eager"
         assert {c["status"] for c in r["report"]["candidates"][1:]} == {"skipped"}
     assert "torchvision" in records[0]["description"]
+
+
+
+def test_a_model_past_its_timeout_is_reported_failed_and_leaves_nothing(tmp_path, monkeypatch):
+    """A worker killed at ``--timeout`` goes with the processes it started (as inductor's compile
+    workers, here a loop writing into its cache directory): a FAILED row in a report that is still
+    written, the bench's temporary directory removed, no writer left behind."""
+    import stat
+    import sys
+    import tempfile
+    import time
+
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    worker = tmp_path / "worker.sh"  # stands in for the Python worker: a child writing, bounded at 10 s
+    worker.write_text('#!/bin/sh\n(for i in $(seq 100); do mkdir -p "$TORCHINDUCTOR_CACHE_DIR/$i"; sleep 0.1; done) &\n'
+                      "sleep 10\n")
+    worker.chmod(worker.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setattr(sys, "executable", str(worker))
+    out, md = tmp_path / "r.json", tmp_path / "r.md"
+    rc = main(["bench", "compile", "--models", "bert", "--timeout", "1", *_TINY, "--json", str(out),
+               "--markdown", str(md)])
+    assert rc == 1
+    [record] = json.loads(out.read_text())
+    assert record["error"].startswith("worker exit killed after 1 s")
+    assert "| bert | cpu | FAILED |" in md.read_text()
+    time.sleep(0.5)  # a writer still alive would have made its next directory by now
+    assert list(scratch.iterdir()) == []

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -98,11 +99,16 @@ def _run_job(job: dict, tmp: str, timeout: float) -> dict:
                TRITON_CACHE_DIR=os.path.join(tmp, f"triton-{name}"),
                SLIPSTREAM_COMPILE_DIR=os.path.join(tmp, f"decisions-{name}"))
     cmd = [sys.executable, "-m", "slipstream.bench.workers.compile", "--job", json.dumps(job), "--out", out]
-    try:
-        with open(log, "w") as stderr:
-            rc = subprocess.run(cmd, env=env, stdout=stderr, stderr=subprocess.STDOUT, timeout=timeout).returncode
-    except subprocess.TimeoutExpired:
-        rc = f"killed after {timeout:g} s"
+    with open(log, "w") as stderr:
+        # its own session: on a timeout the worker goes with inductor's compile processes, which
+        # would otherwise go on writing into the cache directory being removed
+        proc = subprocess.Popen(cmd, env=env, stdout=stderr, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # not reaped yet: the group is still the worker's
+            proc.wait()
+            rc = f"killed after {timeout:g} s"
     if rc == 0:
         with open(out) as f:
             return json.load(f)
@@ -221,7 +227,7 @@ def run(args: argparse.Namespace) -> int:
     command = _command(args)
     sys.stdout.write(command + "\n")
     records = []
-    with tempfile.TemporaryDirectory(prefix="slipstream-bench-compile-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="slipstream-bench-compile-", ignore_cleanup_errors=True) as tmp:
         for device in devices:
             for model in models:
                 r = _run_job(_job(args, model, device), tmp, args.timeout)
