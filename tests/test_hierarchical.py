@@ -1,5 +1,5 @@
-"""The pipelined hierarchical reduce-scatter and allgather against gloo, for every chunk size,
-on (override-emulated) 2 x 2, 3 x 1 and 2 x 1 nodes, and on one node."""
+"""The pipelined hierarchical reduce-scatter, allgather and allreduce against gloo, for every
+chunk size, on (override-emulated) 2 x 2, 3 x 1 and 2 x 1 nodes, and on one node."""
 
 import dataclasses
 
@@ -61,6 +61,7 @@ def _check_against_gloo(hier, rank, world):
                 else:
                     assert torch.equal(results[-1], ref), (dtype, op, n)
                     _check_unequal_blocks(hier, full, n, op, world, rank, seed)
+                _check_all_reduce(hier, full, op, world)
             piece = _data(rank, seed + 1000, n, dtype)
             ref = torch.empty(n * world, dtype=dtype)
             all_gather_into_tensor(ref, piece)
@@ -74,6 +75,20 @@ def _check_against_gloo(hier, rank, world):
                 hier.all_gather(out, out.view(world, n)[rank], chunk_bytes=chunk)
                 assert torch.equal(out, ref), (dtype, n, chunk, "input inside output")
     return True
+
+
+def _check_all_reduce(hier, full, op, world):
+    """The allreduce of ``full`` in place, in every chunking: gloo's result (with one rank per
+    node the chunks themselves cross the link, with no copy)."""
+    ref = full.clone()
+    dist.all_reduce(ref, op=R.SUM if op == R.AVG else op)
+    for chunk in CHUNKS:
+        got = full.clone()
+        hier.all_reduce(got, op, chunk_bytes=chunk)
+        if op == R.AVG:
+            torch.testing.assert_close(got, (ref.double() / world).to(full.dtype), rtol=1e-2, atol=1e-6)
+        else:
+            assert torch.equal(got, ref), (full.dtype, op, full.numel(), chunk)
 
 
 def _check_unequal_blocks(hier, full, n, op, world, rank, seed):

@@ -82,10 +82,10 @@ class Hierarchical:
             lo, hi = bounds
             chunk = flat[lo:hi]
             padded = _pad_to(chunk, m_local)
-            shard = torch.empty(padded.numel() // m_local, dtype=flat.dtype)
-            if self.shm is None:
-                shard.copy_(padded)
+            if self.shm is None:  # one rank per node: the chunk itself crosses, in place
+                shard = padded
             else:
+                shard = torch.empty(padded.numel() // m_local, dtype=flat.dtype)
                 self.shm.reduce_scatter(shard, padded, level_op)
             if hasattr(inter, "payload_bytes"):  # a lossy format: its payload to every other node
                 counters.add_link((nodes - 1) * inter.payload_bytes(shard.numel()))
@@ -100,9 +100,7 @@ class Hierarchical:
     def _finish_all_reduce(self, started) -> None:
         work, shard, chunk, padded = started
         work.wait()
-        if self.shm is None:
-            padded.copy_(shard)
-        else:
+        if self.shm is not None:
             self.shm.all_gather(padded, shard)
         if padded is not chunk:
             chunk.copy_(padded[: chunk.numel()])
