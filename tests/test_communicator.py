@@ -6,6 +6,7 @@ import torch.distributed as dist
 
 from _dist import run_ranks
 from slipstream.core_comm import CommConfig, Communicator, ShmError
+from slipstream.core_comm.routing import Choice
 from slipstream.core_comm.topology import Topology, resolve_keys
 
 R = dist.ReduceOp
@@ -66,10 +67,25 @@ def _compare_with_gloo(comm, group, rank, world, sizes):
     return seed
 
 
+class _AlwaysHierarchical:
+    """A plan choosing the hierarchical path at every size."""
+
+    source = "test"
+
+    def choose(self, kind, nbytes, dtype):
+        return Choice("hierarchical")
+
+
 def _on_world(rank, world, expected_algo):
     comm = Communicator(None, config=SMALL)
     algo, why = comm.algorithm(torch.ones(1000))
     assert algo == expected_algo, (algo, why)
+    if comm.hier is not None and comm.topology.local_size == 1:
+        # small calls of one rank per node go to stock by the built-in rule; a plan sends
+        # them through the hierarchical path, which is what is compared here
+        assert "one rank per node" in why
+        comm.plan = _AlwaysHierarchical()
+        assert comm.algorithm(torch.ones(1000))[0] == "hierarchical"
     _compare_with_gloo(comm, None, rank, world, [0, 1, 13, 1031])
     comm.close()
     return comm.topology.node_of
@@ -80,7 +96,7 @@ def _on_world(rank, world, expected_algo):
     [
         ((0, 0, 1, 1), "hierarchical"),  # 2 nodes x 2 ranks
         ((0, 1, 0, 1), "hierarchical"),  # ranks of a node not consecutive
-        ((0, 1, 2), "hierarchical"),     # one rank per node: no shared memory, inter only
+        ((0, 1, 2), "stock"),            # one rank per node: no shared memory, inter only; small: stock
         ((0, 0, 0, 1), "stock"),         # uneven nodes fall back to the stock collective
         ((0, 0, 0), "shm"),              # one node
     ],

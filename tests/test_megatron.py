@@ -73,8 +73,11 @@ def test_tensor_and_data_parallel_layers_on_slipstream_equal_gloo(world, tp, nod
         assert "slipstream" in o["tp_backend"], o
         paths = set(o["counts"]["all_reduce"])
         assert paths & {"shm", "cma", "hierarchical"}, o["counts"]
+        # the data-parallel pairs of TP=2 on 2 nodes hold one rank per node: calls this small take
+        # gloo's own exchange (routing.ONE_PER_NODE_STOCK_BELOW_BYTES)
+        one_per_node = 1 < tp < world and len(set(nodes)) > 1
         if world > tp:  # with TP=world the data-parallel group has one rank: nothing to reduce
-            assert "stock" not in paths, o["counts"]
+            assert ("stock" in paths) == one_per_node, o["counts"]
 
 
 @pytest.mark.parametrize("distributed", [False, True], ids=["ddp", "distributed-optimizer"])

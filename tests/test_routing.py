@@ -254,13 +254,13 @@ class _Plan:
         return self.choice
 
 
-def _route(kind="all_reduce", tensor=None, op=ReduceOp.SUM, plan=None, **config):
+def _route(kind="all_reduce", tensor=None, op=ReduceOp.SUM, plan=None, one_per_node=False, **config):
     from slipstream.core_comm import CommConfig
     from slipstream.core_comm.routing import route
 
     tensor = torch.ones(1000) if tensor is None else tensor
     return route(kind, tensor, op, world=4, config=CommConfig(**config), nccl=False, plan=plan,
-                 hierarchical=True, intra=True, unavailable="")[0]
+                 hierarchical=True, intra=not one_per_node, unavailable="", one_per_node=one_per_node)[0]
 
 
 def test_the_rule_refuses_what_no_fast_path_computes_before_any_communicator():
@@ -287,3 +287,27 @@ def test_a_size_sends_a_call_to_stock_only_where_stock_computes_the_same_numbers
     assert _route(min_hierarchical_bytes=1 << 20) == "stock"
     assert _route(min_hierarchical_bytes=1 << 20, op=ReduceOp.MAX) == "hierarchical"
     assert _route(plan=_Plan(Choice("hierarchical", 1 << 20)), min_hierarchical_bytes=1 << 20) == "hierarchical"
+
+
+def test_with_one_rank_per_node_small_calls_take_the_stock_exchange_where_it_gives_the_same():
+    """No stage inside a node: below the measured sizes (of the whole buffer) the stock
+    collective; from them, a plan's choice, a lossy wire or a non-SUM op, the hierarchical path."""
+    from slipstream.core_comm.routing import ONE_PER_NODE_STOCK_BELOW_BYTES as BELOW, Choice
+
+    def buf(nbytes, dtype=torch.float32):
+        return torch.ones(nbytes // torch.tensor([], dtype=dtype).element_size(), dtype=dtype)
+
+    for kind in ("all_reduce", "reduce_scatter"):
+        assert _route(kind, buf(BELOW[kind] - 4), one_per_node=True) == "stock", kind
+        assert _route(kind, buf(BELOW[kind]), one_per_node=True) == "hierarchical", kind
+        assert _route(kind, buf(BELOW[kind] - 4)) == "hierarchical", kind  # 2 ranks a node: the rule is theirs
+    # the allgather's input is one rank's part (world 4): the whole output counts
+    assert _route("all_gather", buf(BELOW["all_gather"] // 4 - 4), one_per_node=True) == "stock"
+    assert _route("all_gather", buf(BELOW["all_gather"] // 4), one_per_node=True) == "hierarchical"
+    small = buf(64 << 10)
+    assert _route(tensor=small, op=ReduceOp.AVG, one_per_node=True) == "hierarchical"  # gloo has no AVG
+    assert _route(tensor=buf(64 << 10, torch.bfloat16), one_per_node=True) == "hierarchical"  # fp32 sums
+    assert _route(tensor=small, plan=_Plan(Choice("hierarchical")), one_per_node=True) == "hierarchical"
+    lossy = buf(BELOW["all_reduce"] // 2)  # at least wire_min_bytes: int8 makes it smaller
+    assert _route(tensor=lossy, one_per_node=True, wire="int8") == "hierarchical"
+    assert _route(tensor=lossy, one_per_node=True) == "stock"

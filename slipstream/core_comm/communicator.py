@@ -127,7 +127,8 @@ class Communicator:
         """``(algorithm, reason, the plan's choice)`` by the core's rule (``routing.route``)."""
         nccl = tensor.device.type == "cuda" and "nccl" in str(dist.get_backend(self.group))
         return route(kind, tensor, op, world=self.world, config=self.config, nccl=nccl, plan=self.plan,
-                     hierarchical=self.hier is not None, intra=self.shm is not None, unavailable=self.unavailable)
+                     hierarchical=self.hier is not None, intra=self.shm is not None, unavailable=self.unavailable,
+                     one_per_node=self.hier is not None and self.topology.local_size == 1)
 
     def _choose(self, kind: str, tensor: torch.Tensor, op, others=(), nbytes: int | None = None):
         """``(algorithm, plan choice, path label, the lossy exchange or None)`` for this call,

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from .ops import cannot_reduce, split_op
 from .transport.codec import CODECS
 
-__all__ = ["CMA_FROM_BYTES", "STOCK_BELOW_BYTES", "Choice", "Plan", "refusal", "route", "use_cma", "wire_format"]
+__all__ = ["CMA_FROM_BYTES", "ONE_PER_NODE_STOCK_BELOW_BYTES", "STOCK_BELOW_BYTES", "Choice", "Plan", "refusal", "route", "use_cma", "wire_format"]
 
 ReduceOp = dist.ReduceOp
 
@@ -46,6 +46,17 @@ benchmarks/results/tuner_*.md): stock's one ring beat hierarchical's three phase
 64 KiB), tied at 256 KiB (3.09 vs 3.17) and lost above (1 MiB: 11.3 vs 14.4 ms). The
 reduce-scatter gap was within noise (4 KiB: 0.83 vs 0.93 ms): hierarchical at every size.
 A config's ``min_hierarchical_bytes`` raises these."""
+
+
+ONE_PER_NODE_STOCK_BELOW_BYTES = {"all_reduce": 4 << 20, "all_gather": 4 << 20, "reduce_scatter": 256 << 10}
+"""With one rank per node, and no plan, the stock collective below these full-buffer sizes. There
+is no stage inside a node then: the hierarchical path is the stock exchange between the nodes
+plus its own per-call work. `slipstream bench comm --nodes 2 --ranks-per-node 1 --link 1gbit
+--iters 20` (medians of 3, benchmarks/results/comm_2node_*.md), hierarchical against gloo: the
+allreduce 0.86x-1.07x up to 1 MiB, 1.02x at 4 and 16 MiB; the allgather 0.59x-0.98x up to 1 MiB,
+1.19x at 4 MiB; the reduce-scatter 0.73x-0.85x up to 64 KiB, 1.58x at 256 KiB (gloo's costs a
+whole allreduce). Not where a ``wire`` format makes the message smaller. A config's
+``min_hierarchical_bytes`` raises these; a tuned plan replaces them."""
 
 
 @dataclass(frozen=True)
@@ -89,10 +100,13 @@ def refusal(tensor: torch.Tensor, op=ReduceOp.SUM, others=(), *, config, nccl: b
 
 
 def route(kind: str, tensor: torch.Tensor, op, *, world: int, config, nccl: bool, plan: Plan | None,
-          hierarchical: bool, intra: bool, unavailable: str) -> tuple[str, str, Choice | None]:
+          hierarchical: bool, intra: bool, unavailable: str,
+          one_per_node: bool = False) -> tuple[str, str, Choice | None]:
     """``(algorithm, reason, the plan's choice)`` for ``kind`` of ``tensor`` with ``op`` on a
-    group of ``world`` ranks whose communicator built the hierarchical path (``hierarchical``)
-    or the one-node path (``intra``), or neither, for the reason ``unavailable``."""
+    group of ``world`` ranks whose communicator built the hierarchical path (``hierarchical``;
+    ``one_per_node``: each node holds one of its ranks) or the one-node path (``intra``), or
+    neither, for the reason ``unavailable``. ``tensor``: the allgather's input, the other
+    collectives' whole buffer."""
     if world == 1:
         return "local", "the group has one rank", None
     why = refusal(tensor, op, config=config, nccl=nccl)
@@ -107,8 +121,14 @@ def route(kind: str, tensor: torch.Tensor, op, *, world: int, config, nccl: bool
         choice = None
     staged = tensor.device.type == "cuda"
     if hierarchical:
-        if by_size and choice is None and nbytes < config.min_hierarchical_bytes:
-            return "stock", f"{nbytes} bytes is below min_hierarchical_bytes", None
+        if by_size and choice is None:
+            full = nbytes * world if kind == "all_gather" else nbytes
+            if (one_per_node and full < ONE_PER_NODE_STOCK_BELOW_BYTES[kind]
+                    and wire_format(kind, tensor, op, config=config, nbytes=full) == "full"):
+                return "stock", (f"one rank per node: the stock {kind} below "
+                                 f"{ONE_PER_NODE_STOCK_BELOW_BYTES[kind]} bytes"), None
+            if nbytes < config.min_hierarchical_bytes:
+                return "stock", f"{nbytes} bytes is below min_hierarchical_bytes", None
         return ("staged" if staged else "hierarchical"), "", choice
     if intra:
         return ("staged" if staged else "shm"), "", choice
