@@ -44,7 +44,7 @@ class Communicator:
 
     __slots__ = ("group", "config", "plan", "rank", "world", "topology", "checker",
                  "shm", "cma", "hier", "wire", "unavailable",  # built algorithms, and why the others are not
-                 "_staging", "_executor", "_last")
+                 "_one_per_node", "_staging", "_executor", "_last")
 
     def __init__(self, group: dist.ProcessGroup | None = None, *, config: CommConfig | None = None,
                  topology: Topology | None = None, plan: Plan | None = None, checker: CallCheck | None = None) -> None:
@@ -62,6 +62,7 @@ class Communicator:
         self.wire = None
         """The lossy cross-node exchange (``WireInter``) where ``config.wire`` asks for one."""
         self.unavailable = self._build()
+        self._one_per_node = self.hier is not None and self.topology.local_size == 1  # read on every call
         self._staging: dict = {}
         self._executor: ThreadPoolExecutor | None = None
         self._last: Future | None = None
@@ -128,7 +129,7 @@ class Communicator:
         nccl = tensor.device.type == "cuda" and "nccl" in str(dist.get_backend(self.group))
         return route(kind, tensor, op, world=self.world, config=self.config, nccl=nccl, plan=self.plan,
                      hierarchical=self.hier is not None, intra=self.shm is not None, unavailable=self.unavailable,
-                     one_per_node=self.hier is not None and self.topology.local_size == 1)
+                     one_per_node=self._one_per_node)
 
     def _choose(self, kind: str, tensor: torch.Tensor, op, others=(), nbytes: int | None = None):
         """``(algorithm, plan choice, path label, the lossy exchange or None)`` for this call,
