@@ -158,6 +158,60 @@ def test_zero2_buckets_reduce_while_backward_computes_bit_equal_to_blocking(node
         assert overlapped["hidden_s"] > 0, overlapped
 
 
+def _zero3_gathers(rank, world):
+    """ZeRO-3 with DeepSpeed's prefetch bucket (the whole model) and with ``overlap`` (the
+    tuner's all-gather bucket, about one layer here): the same losses and weights; per step,
+    once the trace is recorded, one all-gather against one a bucket ahead; hidden time."""
+    import slipstream.deepspeed as sds
+    from slipstream.core_comm import counters
+    from slipstream.plugins.deepspeed import uninstall
+
+    def gathers() -> int:
+        return sum(p["calls"] for kind, paths in counters.snapshot().items() if "all_gather" in kind
+                   for p in paths.values())
+
+    runs = {}
+    for overlap in (False, True):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(32, 512), *[torch.nn.Linear(512, 512) for _ in range(4)],
+                                    torch.nn.Linear(512, 32))
+        cfg = _ds_config(3, 1, {"enabled": True, "comm": {**COMM, "overlap": overlap}})
+        engine, *_ = sds.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        losses, per_step = [], []
+        for step, (x, y) in enumerate(_mlp_batches(engine.global_rank, 4)):
+            if step == 2:  # the trace is recorded in the first step
+                counters.timeline.take()
+            before = gathers()
+            loss = (engine(x) - y).pow(2).mean()
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+            per_step.append(gathers() - before)
+        bucket = engine._config.zero_config.prefetch_bucket_size
+        runs[overlap] = losses, per_step, _full_weights(engine), counters.timeline.take()["hidden_s"], bucket
+        uninstall()
+    blocking, overlapped = runs[False], runs[True]
+    assert blocking[0] == overlapped[0], "losses differ from the default prefetch's"
+    assert all(torch.equal(a, b) for a, b in zip(blocking[2], overlapped[2])), "weights differ"
+    return blocking[1][2:], blocking[4], overlapped[1][2:], overlapped[4], overlapped[3]
+
+
+def test_zero3_gathers_parameters_a_bucket_ahead_with_overlap_bit_equal_to_the_default():
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    from slipstream.core_comm.tuner.model import _MODEL_BUCKETS
+
+    default = DeepSpeedZeroConfig(stage=3).prefetch_bucket_size
+    ahead = _MODEL_BUCKETS["hierarchical"].all_gather_bytes // 4  # fp32 elements, 2 nodes x 1 rank
+    for blocking, blocking_bucket, overlapped, bucket, hidden in run_ranks(_zero3_gathers, 2, rank_env=_env(0, 1),
+                                                                            timeout=500):
+        assert (blocking_bucket, bucket) == (default, ahead)
+        # DeepSpeed's bucket takes the whole model (1.1M elements) in one prefetch; the tuner's
+        # one layer of 512 x 512: more all-gathers a step, each issued while the layer before computes
+        assert all(b < o for b, o in zip(blocking, overlapped)), (blocking, overlapped)
+        assert hidden > 0  # an all-gather in flight while this rank computed (the core's timestamps)
+
+
 def _llama_batches(rank, n, vocab):
     g = torch.Generator().manual_seed(7 + rank)
     for _ in range(n):
@@ -308,7 +362,8 @@ def test_tuned_bucket_sizes_fill_only_what_the_user_left_unset():
     ("cuda", {"stage": 2, "overlap_comm": True}, True, "all"),
     ("cuda", {"stage": 3}, True, "all"),
     ("cuda", {"stage": 3, "overlap_comm": False}, True, "none"),
-    ("cpu", {"stage": 3, "overlap_comm": True}, True, "none"),  # no streams: every collective blocks
+    ("cpu", {"stage": 3, "overlap_comm": True}, True, "ahead"),  # no streams; prefetch in buckets
+    ("cpu", {"stage": 3}, False, "none"),  # no streams: every collective blocks
     ("cpu", {"stage": 2}, True, "gradients"),  # ZeRO-2's buckets reduced during backward (overlap.py)
     ("cpu", {"stage": 2}, False, "none"),
     ("cpu", {"stage": 1}, True, "none"),  # ZeRO-1 reduces after backward: no hook to overlap with
@@ -329,7 +384,8 @@ def test_tuned_buckets_only_where_the_collectives_overlap_compute(monkeypatch, d
     got = engine._recommended_buckets(backend, ds_config, overlap)
     assert engine._overlaps_comm(ds_config) is (expected == "all")
     every = zero_buckets(BucketSizes(), element_size=4)["zero_optimization"]
-    assert got == {"all": every, "gradients": {"reduce_bucket_size": every["reduce_bucket_size"]}, "none": {}}[expected]
+    assert got == {"all": every, "gradients": {"reduce_bucket_size": every["reduce_bucket_size"]},
+                   "ahead": {"stage3_prefetch_bucket_size": every["stage3_prefetch_bucket_size"]}, "none": {}}[expected]
 
 
 def _set_up_and_train(rank, world, section, dist_init_required):

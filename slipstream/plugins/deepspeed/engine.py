@@ -146,7 +146,11 @@ def _recommended_buckets(backend, ds_config: dict, overlap: bool) -> dict:
     zero = ds_config.get("zero_optimization", {})
     with_streams = _overlaps_comm(ds_config)
     during_backward = overlap and _on_cpu() and zero.get("stage", 0) == 2
-    if not (with_streams or during_backward):
+    # ZeRO-3 prefetches parameters asynchronously on a CPU too, but its default bucket (50M
+    # elements) takes a model of this size in one all-gather, waited for at the first layer:
+    # in buckets, the next is gathered while the layer before it computes
+    ahead = overlap and _on_cpu() and zero.get("stage", 0) == 3
+    if not (with_streams or during_backward or ahead):
         # Each collective then blocks the step and waits for the slowest rank: the fewest,
         # largest buckets (DeepSpeed's own defaults) are fastest. Smaller tuned buckets were
         # 10% slower a step on 2 emulated nodes (benchmarks/results/finetune_*.md).
@@ -156,7 +160,10 @@ def _recommended_buckets(backend, ds_config: dict, overlap: bool) -> dict:
     comm = backend.communicator(None)
     plan = comm.plan or load_plan(comm)  # a cached measured plan, else the cost model's buckets
     sizes = zero_buckets(plan.buckets, element_size=2 if half else 4)["zero_optimization"]
-    return sizes if with_streams else {"reduce_bucket_size": sizes["reduce_bucket_size"]}
+    if with_streams:
+        return sizes
+    return {"stage3_prefetch_bucket_size": sizes["stage3_prefetch_bucket_size"]} if ahead else {
+        "reduce_bucket_size": sizes["reduce_bucket_size"]}
 
 
 def _overlaps_comm(ds_config: dict) -> bool:
