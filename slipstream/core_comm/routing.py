@@ -27,7 +27,8 @@ import torch.distributed as dist
 from .ops import cannot_reduce, split_op
 from .transport.codec import CODECS
 
-__all__ = ["CMA_FROM_BYTES", "ONE_PER_NODE_STOCK_BELOW_BYTES", "STOCK_BELOW_BYTES", "Choice", "Plan", "refusal", "route", "use_cma", "wire_format"]
+__all__ = ["CMA_FROM_BYTES", "ONE_PER_NODE_STOCK_BELOW_BYTES", "STOCK_BELOW_BYTES", "Choice", "Plan", "refusal",
+           "route", "use_cma", "wire_format"]
 
 ReduceOp = dist.ReduceOp
 

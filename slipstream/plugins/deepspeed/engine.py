@@ -141,8 +141,9 @@ def _init_distributed(original, params) -> None:
 def _recommended_buckets(backend, ds_config: dict, overlap: bool) -> dict:
     """ZeRO bucket sizes the tuner recommends for the world group's topology, in elements of
     the training dtype (2 bytes under bf16/fp16, else 4): all of them where DeepSpeed overlaps
-    its collectives with compute, the gradient buckets alone where ZeRO-2's are reduced during
-    backward on a CPU (``overlap``, ``overlap.py``), none where nothing overlaps."""
+    its collectives with compute; on a CPU with ``overlap``, the gradient buckets alone for
+    ZeRO-2 (reduced during backward, ``overlap.py``) and the prefetch bucket alone for ZeRO-3;
+    none where nothing overlaps."""
     zero = ds_config.get("zero_optimization", {})
     with_streams = _overlaps_comm(ds_config)
     during_backward = overlap and _on_cpu() and zero.get("stage", 0) == 2
