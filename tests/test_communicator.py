@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 
 from _dist import run_ranks
-from slipstream.core_comm import CommConfig, Communicator, ShmError
+from slipstream.core_comm import CommConfig, Communicator, ShmError, counters
 from slipstream.core_comm.routing import Choice
 from slipstream.core_comm.topology import Topology, resolve_keys
 
@@ -84,6 +84,18 @@ def _on_world(rank, world, expected_algo):
         # small calls of one rank per node go to stock by the built-in rule; a plan sends
         # them through the hierarchical path, which is what is compared here
         assert "one rank per node" in why
+        # the bytes that cross the node link are counted on the stock path as on the hierarchical one
+        sent = {}
+        for plan in (None, _AlwaysHierarchical()):
+            comm.plan = plan
+            counters.reset()
+            comm.all_reduce(torch.ones(1024))
+            comm.all_gather(torch.empty(1024 * world), torch.ones(1024))
+            comm.reduce_scatter(torch.empty(1024), torch.ones(1024 * world))
+            sent[plan is None] = counters.link_bytes()
+        # allreduce 2(n-1)/n of its 4 KiB; allgather and reduce-scatter (n-1)/n of their n x 4 KiB
+        assert sent[True] == 2 * (world - 1) * 4096 // world + 2 * (world - 1) * 4096, sent
+        assert abs(sent[False] - sent[True]) <= 8, sent  # the hierarchical path rounds per chunk
         comm.plan = _AlwaysHierarchical()
         assert comm.algorithm(torch.ones(1000))[0] == "hierarchical"
     _compare_with_gloo(comm, None, rank, world, [0, 1, 13, 1031])

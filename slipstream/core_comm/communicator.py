@@ -160,6 +160,7 @@ class Communicator:
         algo, choice, label, lossy = self._choose("all_reduce", tensor, op)
         with counters.record(counted, label, tensor.numel() * tensor.element_size()):
             if algo == "stock":
+                self._count_stock_link("all_reduce", tensor.numel() * tensor.element_size())
                 dense, issued = _dense(tensor), time.perf_counter()
                 work = dist.all_reduce(dense, op=op, group=self.group, async_op=async_op)
                 return _stock(work, dense, tensor, issued)
@@ -188,6 +189,7 @@ class Communicator:
         algo, _, label, lossy = self._choose(kind, input, ReduceOp.SUM if op is None else op, (output,), nbytes)
         with counters.record(counted, label, nbytes):
             if algo == "stock":
+                self._count_stock_link(kind, nbytes)
                 dense, issued = _dense(output), time.perf_counter()
                 if kind == "all_gather":
                     work = all_gather_into_tensor(dense, _dense(input), group=self.group, async_op=async_op)
@@ -195,6 +197,15 @@ class Communicator:
                     work = reduce_scatter_tensor(dense, _dense(input), op=op, group=self.group, async_op=async_op)
                 return _stock(work, dense, output, issued)
             return self._run(lambda: self._resize(kind, algo, output, input, op, valid, lossy), async_op)
+
+    def _count_stock_link(self, kind: str, nbytes: int) -> None:
+        """With one rank per node, what a stock ``kind`` of a whole buffer of ``nbytes`` sends
+        across this rank's node link at least, counted as the hierarchical path counts its own
+        (an allreduce 2(n-1)/n of the buffer, the others (n-1)/n), so that the link bound of a
+        job does not depend on which path the rule chose."""
+        if self._one_per_node:
+            n = self.world
+            counters.add_link((2 if kind == "all_reduce" else 1) * (n - 1) * nbytes // n)
 
     # The coalesced forms: one operation over one flat buffer, so a bucket of many small
     # tensors costs one synchronisation instead of one per tensor.
