@@ -158,9 +158,10 @@ class Communicator:
 
     def _all_reduce_as(self, counted: str, tensor: torch.Tensor, op, async_op: bool):
         algo, choice, label, lossy = self._choose("all_reduce", tensor, op)
-        with counters.record(counted, label, tensor.numel() * tensor.element_size()):
+        nbytes = tensor.numel() * tensor.element_size()
+        with counters.record(counted, label, nbytes):
             if algo == "stock":
-                self._count_stock_link("all_reduce", tensor.numel() * tensor.element_size())
+                self._count_stock_link("all_reduce", nbytes)
                 dense, issued = _dense(tensor), time.perf_counter()
                 work = dist.all_reduce(dense, op=op, group=self.group, async_op=async_op)
                 return _stock(work, dense, tensor, issued)
