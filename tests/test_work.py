@@ -56,6 +56,34 @@ def test_after_a_stock_work_runs_the_step_then_completes():
         failing.wait()
 
 
+class _NoFuture(dist.Work):
+    """A stock handle without a future, as gloo's reduce-scatter hands back."""
+
+    def __init__(self, error: BaseException | None = None) -> None:
+        super().__init__()
+        self.waits, self.error = 0, error
+
+    def wait(self, timeout=None) -> bool:
+        self.waits += 1
+        if self.error is not None:
+            raise self.error
+        return True
+
+
+def test_after_a_stock_work_without_a_future_completes_on_wait():
+    stock, order = _NoFuture(), []
+    with pytest.raises(RuntimeError, match="not implemented"):
+        stock.get_future()
+    work = Work.after(stock, lambda: order.append("then"), result="out")
+    assert not work.is_completed() and order == [] and stock.waits == 0
+    assert work.wait() and work.is_completed() and order == ["then"] and stock.waits == 1
+    assert work.get_future().wait() == "out" and work.wait() and stock.waits == 1  # the step runs once
+    failed = Work.after(_NoFuture(RuntimeError("peer died")), lambda: order.append("never"))
+    with pytest.raises(RuntimeError, match="peer died"):
+        failed.wait()
+    assert order == ["then"]
+
+
 def test_a_finish_step_runs_once_on_the_waiting_thread_and_keeps_its_error():
     calls = []
     work = Work(finish=lambda: calls.append(threading.current_thread().name))

@@ -25,6 +25,14 @@ from . import counters
 __all__ = ["Work"]
 
 
+def _has_future(work: dist.Work) -> bool:
+    try:
+        work.get_future()
+    except RuntimeError:  # "Work::getFuture not implemented" (gloo's reduce-scatter, among others)
+        return False
+    return True
+
+
 class Work(dist.Work):
     """Handle of one asynchronous call; see the module docstring."""
 
@@ -47,7 +55,10 @@ class Work(dist.Work):
     @classmethod
     def after(cls, work, then: Callable[[], Any] | None = None, *, result: Any = None) -> "Work":
         """Completes once ``work`` (a ``Work`` or a stock collective's ``dist.Work``) has, and
-        ``then()`` has run after it; an error of either is this Work's error."""
+        ``then()`` has run after it; an error of either is this Work's error. A stock handle
+        without a future (gloo's reduce-scatter) completes on the first ``wait()`` instead."""
+        if not isinstance(work, Work) and not _has_future(work):
+            return cls(finish=lambda: (work.wait(), then is not None and then()), result=result)
         done: Future = Future()
 
         def finish(outcome: Callable[[], Any]) -> None:
