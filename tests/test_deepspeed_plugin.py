@@ -34,10 +34,10 @@ def _full_weights(engine):
         return [p.detach().clone() for p in params]
 
 
-def _mlp_batches(rank, n):
+def _mlp_batches(rank, n, rows=4):
     for step in range(n):
         g = torch.Generator().manual_seed(1000 * step + rank)
-        yield torch.randn(4, 32, generator=g), torch.randn(4, 32, generator=g)
+        yield torch.randn(rows, 32, generator=g), torch.randn(rows, 32, generator=g)
 
 
 def _train_mlp(stage, section, steps, gas, hidden=64, bucket=2000, engines=None):
@@ -212,6 +212,64 @@ def test_zero3_gathers_parameters_a_bucket_ahead_with_overlap_bit_equal_to_the_d
         assert hidden > 0  # an all-gather in flight while this rank computed (the core's timestamps)
 
 
+def _zero3_reduces(rank, world):
+    """ZeRO-3 with every gradient bucket's reduce-scatter blocking (DeepSpeed's) and issued
+    during backward (``overlap``), parameters prefetched in one bucket in both (once the trace
+    is recorded, one all-gather a step, waited for at the first layer: any collective in
+    flight while backward computes is a gradient reduction): bit-equal losses, reduced
+    gradients and weights; the core's timeline of each from the third step on, and how many
+    buckets were issued and still in flight when backward went on."""
+    import slipstream.deepspeed as sds
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    from deepspeed.utils import safe_get_full_grad
+
+    from slipstream.core_comm import counters
+    from slipstream.plugins.deepspeed import uninstall
+    from slipstream.plugins.deepspeed.zero import overlaps
+
+    runs = {}
+    for overlap in (False, True):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(32, 512), *[torch.nn.Linear(512, 512) for _ in range(4)],
+                                    torch.nn.Linear(512, 32))
+        cfg = _ds_config(3, 1, {"enabled": True, "comm": {"timeout_s": 60, "overlap": overlap}}, bucket=300_000)
+        cfg["zero_optimization"]["stage3_prefetch_bucket_size"] = DeepSpeedZeroConfig(stage=3).prefetch_bucket_size
+        engine, *_ = sds.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        assert overlaps(engine.optimizer) is overlap
+        losses, grads = [], []
+        for step, (x, y) in enumerate(_mlp_batches(engine.global_rank, 5, rows=1024)):
+            if step == 2:  # the trace is recorded in the first step
+                counters.timeline.take()
+            loss = (engine(x) - y).pow(2).mean()
+            engine.backward(loss)
+            grads.append([safe_get_full_grad(p).clone() for p in engine.module.parameters()])
+            engine.step()
+            losses.append(loss.item())
+        timeline = counters.timeline.take()
+        deferred = getattr(engine.optimizer.independent_gradient_partition_epilogue, "func", None)
+        timeline["buckets"] = (deferred.__self__.issued, deferred.__self__.running_on) if deferred else (0, 0)
+        runs[overlap] = losses, grads, _full_weights(engine), timeline
+        uninstall()
+    blocking, overlapped = runs[False], runs[True]
+    assert blocking[0] == overlapped[0], "losses differ from the blocking path's"
+    for a, b in zip([*blocking[2], *(g for step in blocking[1] for g in step)],
+                    [*overlapped[2], *(g for step in overlapped[1] for g in step)]):
+        assert torch.equal(a, b), "weights or reduced gradients differ from the blocking path's"
+    return blocking[3], overlapped[3]
+
+
+def test_zero3_gradient_buckets_reduce_while_backward_computes_bit_equal_to_blocking():
+    # Buckets of 300,000 elements: one or two 512 x 512 layers each, the biases in the
+    # contiguous buffer, the large weights alone in their own gradient.
+    for blocking, overlapped in run_ranks(_zero3_reduces, 2, rank_env=_env(0, 1), timeout=500):
+        issued, running_on = overlapped["buckets"]
+        assert blocking["buckets"] == (0, 0) and issued >= 2 * 5, (blocking, overlapped)  # several a step
+        # reduce-scatters still in flight (the core's Work) when backward went on, and so more
+        # time with a collective in flight while no caller waited (the core's timestamps)
+        # than the blocking run's, whose only such time is the prefetch's
+        assert running_on > 0 and overlapped["hidden_s"] > blocking["hidden_s"], (blocking, overlapped)
+
+
 def _llama_batches(rank, n, vocab):
     g = torch.Generator().manual_seed(7 + rank)
     for _ in range(n):
@@ -362,7 +420,7 @@ def test_tuned_bucket_sizes_fill_only_what_the_user_left_unset():
     ("cuda", {"stage": 2, "overlap_comm": True}, True, "all"),
     ("cuda", {"stage": 3}, True, "all"),
     ("cuda", {"stage": 3, "overlap_comm": False}, True, "none"),
-    ("cpu", {"stage": 3, "overlap_comm": True}, True, "ahead"),  # no streams; prefetch in buckets
+    ("cpu", {"stage": 3, "overlap_comm": True}, True, "ahead"),  # no streams; prefetch and gradients in buckets
     ("cpu", {"stage": 3}, False, "none"),  # no streams: every collective blocks
     ("cpu", {"stage": 2}, True, "gradients"),  # ZeRO-2's buckets reduced during backward (overlap.py)
     ("cpu", {"stage": 2}, False, "none"),
@@ -385,7 +443,8 @@ def test_tuned_buckets_only_where_the_collectives_overlap_compute(monkeypatch, d
     assert engine._overlaps_comm(ds_config) is (expected == "all")
     every = zero_buckets(BucketSizes(), element_size=4)["zero_optimization"]
     assert got == {"all": every, "gradients": {"reduce_bucket_size": every["reduce_bucket_size"]},
-                   "ahead": {"stage3_prefetch_bucket_size": every["stage3_prefetch_bucket_size"]}, "none": {}}[expected]
+                   "ahead": {"stage3_prefetch_bucket_size": every["stage3_prefetch_bucket_size"],
+                             "reduce_bucket_size": every["reduce_bucket_size"]}, "none": {}}[expected]
 
 
 def _set_up_and_train(rank, world, section, dist_init_required):

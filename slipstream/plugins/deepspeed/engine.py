@@ -23,7 +23,7 @@ from ...core_comm.tuner import load_plan
 from . import build_lock
 from .comm_backend import install_comm
 from .translate import zero_buckets
-from .zero import overlaps, patch_zero_optimizer
+from .zero import overlaps, patch_zero3_optimizer, patch_zero_optimizer
 
 __all__ = ["initialize", "install", "uninstall", "load_ds_config", "bucket_defaults"]
 
@@ -102,10 +102,14 @@ def _set_up(original, args, kwargs):
     else:
         compiled = compile_model(result[0].module, settings)  # DeepSpeed's hooks: the hook-free regions
     owners = patch_zero_optimizer(result[0].optimizer, overlap=settings.comm.overlap)
-    overlapped = owners and overlaps(result[0].optimizer)
+    if stage == 3 and settings.comm.overlap:
+        patch_zero3_optimizer(result[0].optimizer)
+    overlapped = overlaps(result[0].optimizer)
     if owners:
         log.info("slipstream: ZeRO gradient buckets reduced to their owners (reduce-scatter)%s",
                  ", during backward" if overlapped else "")
+    elif overlapped:
+        log.info("slipstream: ZeRO-3 gradient buckets reduce-scattered during backward")
     note_stack("deepspeed", engaged=True, zero_stage=stage,
                collectives="deepspeed.comm through the core", gradient_buckets_to_owners=bool(owners),
                buckets_during_backward=bool(overlapped),
@@ -142,14 +146,16 @@ def _recommended_buckets(backend, ds_config: dict, overlap: bool) -> dict:
     """ZeRO bucket sizes the tuner recommends for the world group's topology, in elements of
     the training dtype (2 bytes under bf16/fp16, else 4): all of them where DeepSpeed overlaps
     its collectives with compute; on a CPU with ``overlap``, the gradient buckets alone for
-    ZeRO-2 (reduced during backward, ``overlap.py``) and the prefetch bucket alone for ZeRO-3;
-    none where nothing overlaps."""
+    ZeRO-2 (reduced during backward, ``overlap.py``) and, for ZeRO-3, the prefetch bucket and
+    the gradient buckets (both during the passes); none where nothing overlaps."""
     zero = ds_config.get("zero_optimization", {})
     with_streams = _overlaps_comm(ds_config)
     during_backward = overlap and _on_cpu() and zero.get("stage", 0) == 2
     # ZeRO-3 prefetches parameters asynchronously on a CPU too, but its default bucket (50M
     # elements) takes a model of this size in one all-gather, waited for at the first layer:
-    # in buckets, the next is gathered while the layer before it computes
+    # in buckets, the next is gathered while the layer before it computes. Its default
+    # gradient bucket (500M elements) holds the whole model: one reduce-scatter at the end of
+    # backward, with nothing left to compute beside it
     ahead = overlap and _on_cpu() and zero.get("stage", 0) == 3
     if not (with_streams or during_backward or ahead):
         # Each collective then blocks the step and waits for the slowest rank: the fewest,
@@ -163,8 +169,8 @@ def _recommended_buckets(backend, ds_config: dict, overlap: bool) -> dict:
     sizes = zero_buckets(plan.buckets, element_size=2 if half else 4)["zero_optimization"]
     if with_streams:
         return sizes
-    return {"stage3_prefetch_bucket_size": sizes["stage3_prefetch_bucket_size"]} if ahead else {
-        "reduce_bucket_size": sizes["reduce_bucket_size"]}
+    gradients = {"reduce_bucket_size": sizes["reduce_bucket_size"]}
+    return {"stage3_prefetch_bucket_size": sizes["stage3_prefetch_bucket_size"], **gradients} if ahead else gradients
 
 
 def _overlaps_comm(ds_config: dict) -> bool:

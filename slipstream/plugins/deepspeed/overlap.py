@@ -1,4 +1,4 @@
-"""ZeRO-1/2 gradient buckets reduced while backward goes on.
+"""ZeRO gradient buckets reduced while backward goes on (stages 1/2: ``Deferred``; 3: ``Deferred3``).
 
 DeepSpeed reduces a full bucket of gradients inside the gradient hook that filled it, and the
 rank waits for the collective; ``overlap_comm`` moves it to a side stream, which the CPU
@@ -15,25 +15,67 @@ A parameter larger than a bucket is reduced the same way, in its own gradient. A
 DeepSpeed cannot hand over this way (CPU offload, MoE, compact partition buffers, no
 reduce-scatter) first waits for the buckets in flight, then
 goes through DeepSpeed's own blocking method.
+
+ZeRO-3 reduce-scatters each full bucket inside the gradient hook as well
+(``__reduce_and_partition_ipg_grads``), with DeepSpeed's own layout (``reduce_scatter_coalesced``)
+but a blocking call. ``Deferred3`` runs that same method's reduction with the call issued on
+the communicator's thread, sets the bucket's buffer aside, and copies the reduced shards into
+the gradient partitions (DeepSpeed's ``partition_grads``) once the call is done: as soon as
+it is, in order, while backward goes on, and at the latest when more than
+``IN_FLIGHT_BUCKETS`` buckets are in flight (so a big model's gradients are not all held at
+once) or at the end of backward.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["Deferred"]
+__all__ = ["Deferred", "Deferred3", "IN_FLIGHT_BUCKETS"]
+
+IN_FLIGHT_BUCKETS = 4
+"""ZeRO-3: buckets whose reduction may be in flight at once; the oldest is waited for beyond."""
 
 
-class Deferred:
-    """The buckets of one ZeRO-1/2 optimizer whose reduction is in flight."""
+class _InFlight:
+    """Buckets issued and not yet finished, in order, and the buffers of finished ones."""
 
-    __slots__ = ("pending", "spare", "collecting")
+    __slots__ = ("pending", "spare")
 
     def __init__(self) -> None:
         self.pending: list[dict] = []
-        """Buckets issued, in order: their state as DeepSpeed left it and their reductions."""
+        """Buckets issued, in order: what finishing each needs and its reductions."""
         self.spare: list[torch.Tensor] = []
         """Buffers of finished buckets, for the next buckets set aside."""
+
+    def drain(self, optimizer) -> None:
+        """Wait for every bucket in flight and run DeepSpeed's bookkeeping of each, in order.
+        A failed reduction raises here (the rank cannot go on with a partial gradient)."""
+        while self.pending:
+            self._pop(optimizer)
+
+    def _pop(self, optimizer) -> None:
+        entry = self.pending.pop(0)
+        self._finish(optimizer, entry)
+        if entry["buffer"] is not None:
+            self.spare.append(entry["buffer"])
+
+    def _finish(self, optimizer, entry: dict) -> None:
+        raise NotImplementedError
+
+    def _spare_like(self, buffer: torch.Tensor) -> torch.Tensor:
+        for i, spare in enumerate(self.spare):
+            if spare.shape == buffer.shape and spare.dtype == buffer.dtype and spare.device == buffer.device:
+                return self.spare.pop(i)
+        return torch.empty_like(buffer)
+
+
+class Deferred(_InFlight):
+    """The buckets of one ZeRO-1/2 optimizer whose reduction is in flight."""
+
+    __slots__ = ("collecting",)
+
+    def __init__(self) -> None:
+        super().__init__()
         self.collecting: list | None = None
         """While a bucket's reduction is issued: its ``(work, finish)`` pairs (``zero.py``)."""
 
@@ -79,15 +121,6 @@ class Deferred:
             bucket.buffer[bucket.index] = self._spare_like(buffer)
         bucket.clear()
 
-    def drain(self, optimizer) -> None:
-        """Wait for every bucket in flight and run DeepSpeed's bookkeeping of each, in order.
-        A failed reduction raises here (the rank cannot go on with a partial gradient)."""
-        while self.pending:
-            entry = self.pending.pop(0)
-            self._finish(optimizer, entry)
-            if entry["buffer"] is not None:
-                self.spare.append(entry["buffer"])
-
     def _finish(self, optimizer, entry: dict) -> None:
         """DeepSpeed's ``reduce_ipg_grads`` over the bucket as it was issued, with its
         ``average_tensor`` (done) replaced by the wait for the reductions."""
@@ -114,11 +147,89 @@ class Deferred:
             if live_large is not None:
                 large[dtype] = live_large
 
-    def _spare_like(self, buffer: torch.Tensor) -> torch.Tensor:
-        for i, spare in enumerate(self.spare):
-            if spare.shape == buffer.shape and spare.dtype == buffer.dtype and spare.device == buffer.device:
-                return self.spare.pop(i)
-        return torch.empty_like(buffer)
+
+class Deferred3(_InFlight):
+    """The gradient buckets of one ZeRO-3 optimizer whose reduce-scatter is in flight."""
+
+    __slots__ = ("issued", "running_on")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.issued = 0
+        """Buckets whose reduce-scatter was issued during backward."""
+        self.running_on = 0
+        """Of those, the ones still in flight when backward went on (the core's own state)."""
+
+    def reduce_and_partition(self, optimizer, communication_data_type) -> None:
+        """``__reduce_and_partition_ipg_grads``: the bucket's reduce-scatter issued, or run by
+        DeepSpeed after the buckets in flight where it cannot be deferred."""
+        bucket = optimizer.ipg_buckets[communication_data_type]
+        if not bucket.params:
+            return
+        if not _deferrable3(optimizer, bucket, communication_data_type):
+            self.drain(optimizer)
+            _stage3(optimizer, "reduce_and_partition_ipg_grads")(communication_data_type)
+            return
+        for param in bucket.params:  # DeepSpeed's own check, before anything is issued
+            if param.grad.numel() != param.ds_numel:
+                raise RuntimeError(f"{param.grad.numel()} != {param.ds_numel} Cannot reduce scatter "
+                                   f"gradients whose size is not same as the params")
+        params = sorted(bucket.params, key=lambda p: p.ds_id)  # DeepSpeed's order
+        partitions, works = _issued(lambda: _stage3(optimizer, "avg_scatter_grads")(params, communication_data_type))
+        buffer = bucket.buffer
+        self.pending.append({"params": params, "partitions": partitions, "works": works, "buffer": buffer})
+        if buffer is not None:  # the bucket's gradients are views of it until finished
+            bucket.buffer = self._spare_like(buffer)
+        bucket.params.clear()
+        bucket.elements, bucket.process_group = 0, None
+        self.issued += 1
+        self.running_on += not all(work.is_completed() for work in works)
+        while self.pending and (len(self.pending) > IN_FLIGHT_BUCKETS
+                                or all(work.is_completed() for work in self.pending[0]["works"])):
+            self._pop(optimizer)
+
+    def epilogue(self, optimizer) -> None:
+        """``independent_gradient_partition_epilogue``: the last buckets issued, every bucket
+        finished, then DeepSpeed's epilogue (its buckets are empty by then)."""
+        from deepspeed.runtime.zero import stage3
+
+        for dtype in stage3.sort_dtypes(optimizer.ipg_buckets.keys()):
+            self.reduce_and_partition(optimizer, dtype)
+        self.drain(optimizer)
+        type(optimizer).independent_gradient_partition_epilogue(optimizer)
+
+    def _finish(self, optimizer, entry: dict) -> None:
+        for work in entry["works"]:
+            work.wait()
+        optimizer.partition_grads(entry["params"], entry["partitions"])
+
+
+def _stage3(optimizer, name: str):
+    """DeepSpeed's stage-3 method ``__name`` (name-mangled) of the class, bound to ``optimizer``."""
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
+    return getattr(DeepSpeedZeroOptimizer_Stage3, f"_DeepSpeedZeroOptimizer_Stage3__{name}").__get__(optimizer)
+
+
+def _issued(call):
+    """``call()``'s result, with DeepSpeed's blocking coalesced reduce-scatter issued async
+    instead, and the handles of what it issued."""
+    import deepspeed.comm as dist
+    from deepspeed.runtime.comm import coalesced_collectives
+
+    works = []
+
+    def reduce_scatter(input_tensor, output_tensor, group=None, async_op=False, prof=False):
+        work = dist.reduce_scatter_fn(output_tensor, input_tensor, group=group, async_op=True)
+        if work is not None:  # None: the call was made synchronously
+            works.append(work)
+
+    blocking = coalesced_collectives._torch_reduce_scatter_fn
+    coalesced_collectives._torch_reduce_scatter_fn = reduce_scatter
+    try:
+        return call(), works
+    finally:
+        coalesced_collectives._torch_reduce_scatter_fn = blocking
 
 
 # The fields of DeepSpeed's IPG bucket that describe its current fill.
@@ -147,3 +258,22 @@ def _deferrable(optimizer, bucket, dtype) -> bool:
             and not getattr(optimizer, "use_grad_accum_attribute", False)
             and not getattr(optimizer, "_offload_gradient_safety_enabled", False)
             and not any(optimizer._use_compact_grad_partition_buffer(g) for g, _, _ in bucket.params))
+
+
+def _deferrable3(optimizer, bucket, dtype) -> bool:
+    """Whether DeepSpeed's stage-3 reduction of this bucket is its coalesced reduce-scatter
+    alone, its result read only by ``partition_grads``: nothing reads the output before the
+    call completes (no scaling or dtype change after it), nothing is offloaded or quantized."""
+    params = bucket.params
+    group = optimizer._get_param_partition_group(params[0])
+    from deepspeed import comm as dist
+
+    world = dist.get_world_size(group=group)
+    averaging = getattr(optimizer, "_gradient_averaging_world_size", lambda params, world: world)(params, world)
+    return ((bucket.buffer is None or bucket.buffer.device.type == "cpu") and optimizer.reduce_scatter
+            and dtype == optimizer.dtype == optimizer.gradient_accumulation_dtype and averaging == world
+            and not (optimizer.postscale_gradients and optimizer.gradient_predivide_factor != 1.0)
+            and optimizer.all2all_process_group is None and not optimizer.enable_sanity_checks
+            and not optimizer.offload_optimizer and not optimizer.offload_param
+            and not getattr(optimizer, "zenflow", False)
+            and all(p.grad is not None and p.grad.device.type == "cpu" for p in params))

@@ -27,9 +27,9 @@ import functools
 import torch
 
 from ..._common.patch import is_patched as _is_patched, patch, uninstall_all
-from .overlap import Deferred
+from .overlap import Deferred, Deferred3
 
-__all__ = ["patch_zero_optimizer", "unpatch_all", "is_patched", "overlaps", "owner_layout"]
+__all__ = ["patch_zero_optimizer", "patch_zero3_optimizer", "unpatch_all", "is_patched", "overlaps", "owner_layout"]
 
 _METHOD = "allreduce_and_copy_with_multiple_ranks"
 _OWNER = "deepspeed-zero"  # this module's patches, apart from the rest of the adapter's
@@ -39,6 +39,12 @@ MAX_PADDING = 1.5
 # What the deferral reads of DeepSpeed's optimizer (DeepSpeed >= 0.17's bucket layout).
 _DEFERRED_NEEDS = ("ipg_buckets", "reduce_ipg_grads", "average_tensor", "independent_gradient_partition_epilogue",
                    "extra_large_param_to_reduce", "use_multi_rank_bucket_allreduce")
+# What the ZeRO-3 deferral reads (DeepSpeed >= 0.17): the instance's, then the class's private methods.
+_DEFERRED3_NEEDS = ("ipg_buckets", "partition_grads", "independent_gradient_partition_epilogue", "reduce_scatter",
+                    "_get_param_partition_group", "all2all_process_group", "postscale_gradients", "dtype",
+                    "gradient_accumulation_dtype", "enable_sanity_checks", "offload_optimizer", "offload_param")
+_STAGE3_REDUCE = "_DeepSpeedZeroOptimizer_Stage3__reduce_and_partition_ipg_grads"
+_STAGE3_PRIVATE = (_STAGE3_REDUCE, "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads")
 
 
 def owner_layout(numels: list[int], owners: list, world: int,
@@ -144,9 +150,30 @@ def patch_zero_optimizer(optimizer, overlap: bool = False) -> bool:
     return True
 
 
+def patch_zero3_optimizer(optimizer) -> bool:
+    """Reduce-scatter ``optimizer``'s gradient buckets while backward goes on (``overlap.py``);
+    True when patched (DeepSpeed's own ZeRO-3 optimizer, not a subclass), False otherwise.
+    Idempotent."""
+    try:
+        from deepspeed.runtime.comm import coalesced_collectives
+        from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+    except ImportError:  # pragma: no cover - depends on the DeepSpeed version
+        return False
+    if (type(optimizer) is not DeepSpeedZeroOptimizer_Stage3
+            or not all(hasattr(DeepSpeedZeroOptimizer_Stage3, n) for n in _STAGE3_PRIVATE)
+            or not all(hasattr(optimizer, n) for n in _DEFERRED3_NEEDS)
+            or not hasattr(coalesced_collectives, "_torch_reduce_scatter_fn")):
+        return False
+    deferred = Deferred3()
+    patch(optimizer, _STAGE3_REDUCE, functools.partial(deferred.reduce_and_partition, optimizer), owner=_OWNER)
+    patch(optimizer, "independent_gradient_partition_epilogue", functools.partial(deferred.epilogue, optimizer),
+          owner=_OWNER)
+    return True
+
+
 def overlaps(optimizer) -> bool:
     """Whether ``optimizer``'s buckets are reduced while backward goes on."""
-    return _is_patched(optimizer, "reduce_ipg_grads")
+    return _is_patched(optimizer, "independent_gradient_partition_epilogue")
 
 
 def unpatch_all() -> None:
