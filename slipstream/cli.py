@@ -17,6 +17,7 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("bench", "ddp"): ("slipstream.bench.ddp", "DDP training: slipstream backend vs gloo"),
     ("bench", "transport"): ("slipstream.bench.transport", "inter-node transport: K connections vs 1"),
     ("bench", "megatron"): ("slipstream.bench.megatron", "megatron-core GPT: gloo vs slipstream, padded vs packed"),
+    ("bench", "soak"): ("slipstream.bench.soak", "mixed collectives and groups vs gloo, resources watched"),
     ("bench", "loader"): ("slipstream.bench.loader", "collation hidden behind the step by AsyncLoader"),
     ("bench", "compile"): ("slipstream.bench.compile",
                            "slipstream.compile's choice vs eager on ResNet-50, BERT, llama varlen"),

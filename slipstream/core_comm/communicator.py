@@ -9,6 +9,7 @@ run as one operation over one flat buffer. Every call is counted under its path 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from datetime import timedelta
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -25,7 +26,7 @@ from .collectives.hierarchical import Hierarchical
 from .collectives.shm import ShmComm, ShmError, check_sizes, is_supported_platform
 from .collectives.staging import CudaStaging
 from .config import CommConfig
-from .groups import group_ranks, node_subgroups
+from .groups import group_ranks, node_subgroups, release_groups
 from .ops import describe, split_op
 from .routing import Choice, Plan, route, use_cma, wire_format
 from .topology import Topology, detect_topology
@@ -44,7 +45,7 @@ class Communicator:
 
     __slots__ = ("group", "config", "plan", "rank", "world", "topology", "checker",
                  "shm", "cma", "hier", "wire", "unavailable",  # built algorithms, and why the others are not
-                 "_one_per_node", "_staging", "_executor", "_last")
+                 "_subgroups", "_one_per_node", "_staging", "_executor", "_last")
 
     def __init__(self, group: dist.ProcessGroup | None = None, *, config: CommConfig | None = None,
                  topology: Topology | None = None, plan: Plan | None = None, checker: CallCheck | None = None) -> None:
@@ -61,6 +62,8 @@ class Communicator:
         self.hier: Hierarchical | None = None
         self.wire = None
         """The lossy cross-node exchange (``WireInter``) where ``config.wire`` asks for one."""
+        self._subgroups: tuple = ()
+        """The gloo groups ``_build`` made (inside the node, across the nodes), destroyed on close."""
         self.unavailable = self._build()
         self._one_per_node = self.hier is not None and self.topology.local_size == 1  # read on every call
         self._staging: dict = {}
@@ -83,6 +86,7 @@ class Communicator:
         if topo.num_nodes > 1 and group_ranks(self.group) != sorted(group_ranks(self.group)):
             return "the group's ranks are not in global-rank order"
         intra, inter = node_subgroups(self.group, topo, timedelta(seconds=cfg.timeout_s))
+        self._subgroups = (intra, inter)
         try:
             if intra is not None:
                 self.shm = ShmComm(intra, slot_bytes=cfg.slot_bytes, small_bytes=cfg.small_bytes,
@@ -119,6 +123,8 @@ class Communicator:
         inter = self.hier.inter if self.hier is not None else None
         if hasattr(inter, "close"):  # a multi-connection transport's sockets and threads
             inter.close()
+        release_groups(*self._subgroups)
+        self._subgroups = ()
 
     def algorithm(self, tensor: torch.Tensor, op=ReduceOp.SUM, kind: str = "all_reduce") -> tuple[str, str]:
         """``(algorithm, reason)`` this communicator uses for ``kind`` on ``tensor`` and ``op``."""
@@ -261,7 +267,7 @@ class Communicator:
                 with torch.no_grad():
                     fn()
             except Exception as e:  # noqa: BLE001 - re-raised with the job's first failure
-                raise _with_first_failure(e) from e
+                raise _with_first_failure(e, within_s=min(1.0, 0.1 * self.config.timeout_s)) from e
 
         issued = time.perf_counter()
         if not async_op:
@@ -362,17 +368,30 @@ class Communicator:
 _FIRST_FAILURE = "slipstream-first-failure"
 
 
-def _with_first_failure(error: Exception) -> Exception:
+def _with_first_failure(error: Exception, within_s: float = 1.0) -> Exception:
     """``error``, naming the job's first failure when another rank's came first. A failure
     cascades (rank 3 dies; its node peer rank 2 raises and exits; rank 0 then loses its
     connection to rank 2), so each rank records its error in the default store, first writer
-    wins, and a later one names the first: rank 0's error then says rank 3 died."""
+    wins, and a later one names the first: rank 0's error then says rank 3 died. The store
+    gets ``within_s`` seconds: a store across a link that is down would hold the error back
+    for as long as the link stays down, so without an answer the error goes as it is."""
     try:
         store = dist.distributed_c10d._get_default_store()
-        mine = f"global rank {dist.get_rank()}: {error}"
-        first = store.compare_set(_FIRST_FAILURE, "", mine).decode()
-    except Exception:  # noqa: BLE001 - no store, or its host is gone: the error as it is
+    except Exception:  # noqa: BLE001 - no default group: the error as it is
         return error
+    mine = f"global rank {dist.get_rank()}: {error}"
+    answer: list = []
+
+    def record() -> None:
+        try:
+            answer.append(store.compare_set(_FIRST_FAILURE, "", mine).decode())
+        except Exception:  # noqa: BLE001 - the store's host is gone: no answer
+            pass
+
+    asking = threading.Thread(target=record, name="slipstream-first-failure", daemon=True)
+    asking.start()
+    asking.join(within_s)
+    first = answer[0] if answer else ""
     if first == mine or not first:
         return error
     try:

@@ -20,7 +20,7 @@ from torch.distributed import distributed_c10d as c10d
 
 from .topology import Topology
 
-__all__ = ["group_ranks", "new_gloo_group", "node_subgroups"]
+__all__ = ["group_ranks", "new_gloo_group", "node_subgroups", "release_groups"]
 
 
 def group_ranks(group: dist.ProcessGroup | None) -> list[int]:
@@ -47,19 +47,23 @@ def new_gloo_group(ranks: list[int], timeout: timedelta | None = None) -> dist.P
     bounds its creation and its calls (None: torch's default for gloo, 30 minutes): a member
     that never arrives makes the others raise after it, naming the group's ranks.
 
-    torch names a locally synchronised group by its ranks and the number of groups alive
-    (``_hash_ranks_to_str``, torch 2.13): once a group is destroyed, a new group of the same
-    ranks can get the name of one still alive, and ``new_group`` raises "group name has already
-    been created". Placeholders counted while torch names the group skip those names (every
-    member has the same groups, so all skip alike)."""
+    torch names a locally synchronised group by its ranks and the number of groups alive in
+    the process (``_hash_ranks_to_str``, torch 2.13), and the name is the prefix of its
+    rendezvous keys in the store. Members need not hold as many groups (a member of more
+    subgroups built more communicators), and a name must not come back once its group is
+    destroyed (its keys stay in the store: the new group's members would connect to the old
+    one's closed addresses). So on arrival each member says how many groups it holds; every
+    member counts placeholders up to the largest, and beyond the count this set of ranks was
+    last named with (every member made the same groups of these ranks, in the same order)."""
     names = c10d._world.pg_names
     ranks = sorted(ranks)
-    _arrive(ranks, timeout or c10d.default_pg_timeout)
+    alive = max(_arrive(ranks, timeout or c10d.default_pg_timeout, len(names)), _NAMED.get(tuple(ranks), -1) + 1)
     pads: list = []
     try:
-        while _hashed_name(ranks, len(names)) in names.values():
+        while len(names) < alive or _hashed_name(ranks, len(names)) in names.values():
             pads.append(object())
             names[pads[-1]] = ""
+        _NAMED[tuple(ranks)] = len(names)
         return dist.new_group(ranks, backend="gloo", use_local_synchronization=True, timeout=timeout)
     except RuntimeError as e:  # torch's store-barrier timeout, or gloo's failed connection
         raise RuntimeError(f"slipstream: the gloo group of ranks {ranks} could not be formed within "
@@ -70,22 +74,38 @@ def new_gloo_group(ranks: list[int], timeout: timedelta | None = None) -> dist.P
             names.pop(pad, None)
 
 
+def release_groups(*groups: dist.ProcessGroup | None) -> None:
+    """Destroy the subgroups a communicator made (``node_subgroups``), those still alive: a
+    job that makes and destroys many groups must not keep their sockets and threads. Local;
+    each member does it when the communicator closes."""
+    for group in groups:
+        if group is not None and group in c10d._world.pg_map:
+            try:
+                dist.destroy_process_group(group)
+            except (RuntimeError, ValueError):  # torch tore it down meanwhile
+                pass
+
+
 # How many groups of each set of ranks this process has asked for: every member asks for the
 # same ones in the same order, so the count tells one creation's arrivals from another's.
 _ASKED: dict[tuple, int] = {}
+# The count of groups torch last named each set of ranks' group with (``new_gloo_group``).
+_NAMED: dict[tuple, int] = {}
 
 
-def _arrive(ranks: list[int], timeout: timedelta) -> None:
-    """Every member of a new group announces itself on the default store and waits, within
-    ``timeout``, for the others; the error names the global ranks that did not come. (torch's
-    own barrier counts arrivals, so it cannot say who is missing.)"""
+def _arrive(ranks: list[int], timeout: timedelta, alive: int) -> int:
+    """Every member of a new group announces itself on the default store, with ``alive`` (the
+    groups it holds), and waits, within ``timeout``, for the others; the largest ``alive``
+    of the members. The error names the global ranks that did not come. (torch's own
+    barrier counts arrivals, so it cannot say who is missing.)"""
     key = tuple(ranks)
     _ASKED[key] = n = _ASKED.get(key, 0) + 1
     tag = hashlib.sha1("_".join(map(str, ranks)).encode(), usedforsecurity=False).hexdigest()[:16]
     store = dist.PrefixStore(f"slipstream-arrive/{tag}/{n}/", c10d._get_default_store())
-    store.set(str(dist.get_rank()), "1")
+    store.set(str(dist.get_rank()), str(alive))
     try:
         store.wait([str(r) for r in ranks], timeout)
+        return max(int(store.get(str(r))) for r in ranks)
     except Exception as e:  # noqa: BLE001 - the store's timeout, or its host is gone
         try:
             missing, why = [r for r in ranks if not store.check([str(r)])], ""

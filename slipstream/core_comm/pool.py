@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from .communicator import Communicator
 from .config import CommConfig
+from .groups import release_groups
 
 __all__ = ["CommunicatorPool", "close", "close_all", "get", "items", "on_build", "peek"]
 
@@ -53,7 +54,7 @@ class CommunicatorPool:
         with self._lock:
             comm = self._comms.get(key)
             if comm is not None and not _alive(key):
-                self._comms.pop(key).close()
+                _close(key, self._comms.pop(key))
                 comm = None
             if comm is not None:
                 if config is not None and config != self._asked[key] and (key, config) not in self._warned:
@@ -97,13 +98,21 @@ class CommunicatorPool:
             comm = self._comms.pop(_key(group), None)
             self._asked.pop(_key(group), None)
         if comm is not None:
-            comm.close()
+            _close(_key(group), comm)
 
     def close_all(self) -> None:
         with self._lock:
-            comms, self._comms, self._asked = list(self._comms.values()), {}, {}
-        for comm in comms:
-            comm.close()
+            comms, self._comms, self._asked = list(self._comms.items()), {}, {}
+        for key, comm in comms:
+            _close(key, comm)
+
+
+def _close(key, comm: Communicator) -> None:
+    """Close ``comm``, and the gloo group it ran over where ``key``'s ``core_spec`` made that
+    one for it (a group made and destroyed many times must not keep its sockets and threads)."""
+    comm.close()
+    if comm.group is not None and comm.group is not key:
+        release_groups(comm.group)
 
 
 def _key(group):

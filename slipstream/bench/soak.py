@@ -1,0 +1,112 @@
+"""``slipstream bench soak``: thousands of mixed collectives and hundreds of groups, checked
+against gloo, with the ranks' resources watched.
+
+One row per layout (``--layouts``, default ``1x4,2x2@1gbit``: one node of 4 ranks, then 2
+emulated nodes x 2 ranks over a 1 Gbit/s link, root needed). Each rank runs ``--collectives``
+calls of random kind, reduction, dtype, group (the world, its halves, its even and odd ranks)
+and size (0 B to ``--max-bytes``) on the slipstream backend and on gloo with the same inputs
+and compares the results exactly (``workers/soak.py``), then makes, uses and destroys
+``--groups`` subgroups. Reported per layout: results that differed from gloo's, group cycles
+that gave a wrong sum, and the largest rank's resident memory, descriptors and threads (and the
+machine's slipstream shared-memory segments) at the start, after the 1,000th call, half-way, at
+the end of the calls and after the group cycles. It exits 1 when a result differed, memory
+grew 5% or more from the 1,000th call to the end, or descriptors, threads or segments changed
+from the 1,000th call to the end or over the group cycles.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from slipstream.cluster.worker import flags, launch_worker
+from .ddp import parse_layout
+from .report import emit, page, parse_size, table
+
+__all__ = ["add_arguments", "run", "verdict"]
+
+RSS_GROWTH = 0.05
+"""Largest growth of a rank's resident memory from the 1,000th call to the last that passes."""
+_MOMENTS = ("start", "after_1000", "middle", "end", "after_groups")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--layouts", default="1x4,2x2@1gbit",
+                        help="NODESxRANKS[@LINK], comma-separated (default 1x4,2x2@1gbit)")
+    parser.add_argument("--collectives", type=int, default=20000, help="calls per layout (default 20000)")
+    parser.add_argument("--groups", type=int, default=500, help="subgroup create/destroy cycles (default 500)")
+    parser.add_argument("--max-bytes", default="64M", help="largest call (default 64M)")
+    parser.add_argument("--seed", type=int, default=0, help="the draws' seed (default 0)")
+    parser.add_argument("--timeout", type=float, default=7200, help="seconds before every rank is killed")
+    parser.add_argument("--json", help="write the records (a JSON list) here")
+    parser.add_argument("--markdown", help="write the report (machine, command, table) here")
+
+
+def _peak(raw: dict, moment: str, field: str) -> float:
+    return max(r["snapshots"][moment][field] for r in raw["ranks"])
+
+
+def verdict(raw: dict) -> list[str]:
+    """What failed in one layout's run: results that differed, a wrong group sum, memory growth
+    of ``RSS_GROWTH`` or more on any rank, or descriptors, threads or segments that changed,
+    from the 1,000th call to the end or over the group cycles."""
+    failed = []
+    differ = sum(r["differ_count"] for r in raw["ranks"])
+    if differ:
+        examples = [d for r in raw["ranks"] for d in r["differ"]][:3]
+        failed.append(f"{differ} results differ from gloo's, e.g. {examples}")
+    if any(r["cycles_wrong"] for r in raw["ranks"]):
+        failed.append("a subgroup made and destroyed in the cycles gave a wrong sum")
+    for r in raw["ranks"]:
+        before, end, groups = (r["snapshots"][m] for m in ("after_1000", "end", "after_groups"))
+        if end["rss_mib"] >= (1 + RSS_GROWTH) * before["rss_mib"]:
+            failed.append(f"rank {r['rank']}: memory grew {before['rss_mib']:.0f} -> {end['rss_mib']:.0f} MiB")
+        for field in ("fds", "threads", "segments"):
+            if end[field] != before[field]:
+                failed.append(f"rank {r['rank']}: {field} {before[field]} -> {end[field]}")
+            if groups[field] != end[field]:
+                failed.append(f"rank {r['rank']}: {field} {end[field]} -> {groups[field]} over the group cycles")
+    return failed
+
+
+def _record(layout: str, raw: dict) -> dict:
+    return {"layout": layout, **{k: raw[k] for k in ("world_size", "collectives", "group_cycles", "calls_s")},
+            "differ": sum(r["differ_count"] for r in raw["ranks"]),
+            "cycles_wrong": sum(r["cycles_wrong"] for r in raw["ranks"]),
+            "peak": {m: {f: _peak(raw, m, f) for f in ("rss_mib", "fds", "threads", "segments")} for m in _MOMENTS},
+            "failed": verdict(raw), "ranks": raw["ranks"]}
+
+
+def _table(records: list[dict]) -> list[str]:
+    rows = []
+    for r in records:
+        peak = r["peak"]
+        rows.append([r["layout"], r["collectives"], f"{r['calls_s']:.0f}", r["differ"],
+                     f"{r['group_cycles']} ({r['cycles_wrong']} wrong)",
+                     " / ".join(f"{peak[m]['rss_mib']:.0f}" for m in _MOMENTS),
+                     *(" / ".join(str(peak[m][f]) for m in _MOMENTS) for f in ("fds", "threads", "segments")),
+                     "pass" if not r["failed"] else "FAIL: " + "; ".join(r["failed"])])
+    return table(["layout", "collectives", "calls (s)", "results differing from gloo", "group cycles",
+                  "RSS MiB (start / 1,000th / middle / end / after groups)", "descriptors", "threads",
+                  "shm segments", "verdict"], "lrrrllllll", rows)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        layouts = [(text, parse_layout(text)) for text in args.layouts.split(",")]
+        max_bytes = parse_size(args.max_bytes)
+    except ValueError as e:
+        raise SystemExit(str(e)) from e
+    if args.collectives < 1 or args.groups < 0:
+        raise SystemExit("--collectives must be >= 1 and --groups >= 0")
+    argv = [*flags(args, "collectives", "groups", "seed"), "--max-bytes", str(max_bytes)]
+    command = " ".join(["slipstream bench soak", *flags(args, "layouts", "max_bytes"), *argv[:-2]])
+    sys.stdout.write(command + "\n")
+    records = [_record(text, launch_worker("slipstream.bench.workers.soak", argv, spec, timeout=args.timeout))
+               for text, spec in layouts]
+    notes = ["each call run on the slipstream backend and on gloo with the same integer-valued inputs, "
+             "results compared exactly", "resources: the largest rank's (segments: the machine's slipstream "
+             f"segments); verdict: no result differing, RSS growth < {RSS_GROWTH:.0%} from the 1,000th call to the "
+             "end, descriptors, threads and segments unchanged over that span and over the group cycles"]
+    emit(page(command, notes, _table(records)), records, args)
+    return 0 if not any(r["failed"] for r in records) else 1

@@ -1,0 +1,138 @@
+"""One rank of ``slipstream bench soak``.
+
+The default group is ``init_process_group("slipstream")``; the reference is a gloo group of the
+same ranks, and each subgroup (the two halves of the world, the even and the odd ranks) is made
+twice, once on each backend. Every rank draws the same sequence from one seed: each call's
+kind (all-reduce with SUM, MAX or MIN, reduce-scatter, all-gather), dtype, group and size
+(0 B, else log-uniform from 1 B to ``--max-bytes``). Its members run it on both backends with
+the same integer-valued inputs (in [-8, 8], so every order of summation gives the same exact
+result in every dtype) and compare the results with ``torch.equal``. Then ``--groups`` times a
+subgroup is made on the slipstream backend, used once (checked against the sum computed
+here) and destroyed.
+
+The rank's resident memory, open file descriptors and threads, and the machine's slipstream
+shared-memory segments, are read at the start, after the 1,000th call, half-way, at the end of
+the calls and after the group cycles.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import re
+import time
+
+import torch
+import torch.distributed as dist
+
+import slipstream  # noqa: F401 - registers the backend
+from slipstream.cluster.worker import run_worker
+from slipstream.core_comm.collectives.segment import SHM_DIR
+
+KINDS = ("all_reduce", "reduce_scatter", "all_gather")
+REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int32, torch.int64)
+
+
+def usage() -> dict:
+    """This process's resident memory (MiB), open descriptors and threads; the machine's
+    slipstream shared-memory segments."""
+    with open("/proc/self/status") as f:
+        status = f.read()
+    segments = [n for n in os.listdir(SHM_DIR) if n.startswith("slipstream")] if os.path.isdir(SHM_DIR) else []
+    return {"rss_mib": int(re.search(r"VmRSS:\s+(\d+)", status).group(1)) / 1024,
+            "threads": int(re.search(r"Threads:\s+(\d+)", status).group(1)),
+            "fds": len(os.listdir("/proc/self/fd")), "segments": len(segments)}
+
+
+def _groups(world: int) -> list[tuple[str, list[int], object, object]]:
+    """(name, members, slipstream group, gloo group), the world first; every rank makes each."""
+    members = {"world": list(range(world))}
+    if world >= 4:
+        members.update(first_half=list(range(world // 2)), second_half=list(range(world // 2, world)),
+                       even=list(range(0, world, 2)), odd=list(range(1, world, 2)))
+    made = []
+    for name, ranks in members.items():
+        ours = dist.group.WORLD if name == "world" else dist.new_group(ranks)
+        made.append((name, ranks, ours, dist.new_group(ranks, backend="gloo")))
+    return made
+
+
+def _draw(rng: random.Random, groups: list, max_bytes: int) -> dict:
+    kind, dtype = rng.choice(KINDS), rng.choice(DTYPES)
+    name, members, ours, gloo = rng.choice(groups)
+    nbytes = 0 if rng.random() < 0.01 else int(2 ** rng.uniform(0, math.log2(max_bytes)))
+    numel = nbytes // torch.tensor([], dtype=dtype).element_size()
+    if kind == "reduce_scatter":
+        numel -= numel % len(members)
+    return {"kind": kind, "dtype": dtype, "group": name, "members": members, "ours": ours, "gloo": gloo,
+            "numel": numel, "op": rng.choice(list(REDUCE_OPS)) if kind != "all_gather" else None}
+
+
+def _run(call: dict, group, x: torch.Tensor) -> torch.Tensor:
+    size = len(call["members"])
+    if call["kind"] == "all_reduce":
+        out = x.clone()
+        dist.all_reduce(out, op=REDUCE_OPS[call["op"]], group=group)
+    elif call["kind"] == "reduce_scatter":
+        out = torch.empty(x.numel() // size, dtype=x.dtype)
+        dist.reduce_scatter_tensor(out, x, op=REDUCE_OPS[call["op"]], group=group)
+    else:
+        out = torch.empty(x.numel() * size, dtype=x.dtype)
+        dist.all_gather_into_tensor(out, x, group=group)
+    return out
+
+
+def soak(args) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    groups = _groups(world)
+    rng = random.Random(args.seed)  # the same draws on every rank
+    snapshots = {"start": usage()}
+    differ, by_kind, started = [], {}, time.perf_counter()
+    for i in range(args.collectives):
+        call = _draw(rng, groups, args.max_bytes)
+        if rank in call["members"]:
+            gen = torch.Generator().manual_seed(args.seed * 1_000_003 + i * 64 + rank)
+            x = torch.randint(-8, 9, (call["numel"],), generator=gen).to(call["dtype"])
+            ours, ref = _run(call, call["ours"], x), _run(call, call["gloo"], x)
+            if not torch.equal(ours, ref):
+                differ.append(f"call {i}: {call['kind']} {call['op'] or ''} {call['dtype']} x {call['numel']} "
+                              f"on {call['group']}")
+            key = call["kind"]
+            by_kind[key] = by_kind.get(key, 0) + 1
+        if i + 1 == min(1000, args.collectives):
+            snapshots["after_1000"] = usage()
+        if i + 1 == args.collectives // 2:
+            snapshots["middle"] = usage()
+    snapshots["end"] = usage()
+    calls_s = time.perf_counter() - started
+    cycles_wrong = _group_cycles(args.groups, world, rng)
+    snapshots["after_groups"] = usage()
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, {"rank": rank, "snapshots": snapshots, "differ": differ[:20],
+                                      "differ_count": len(differ), "by_kind": by_kind,
+                                      "cycles_wrong": cycles_wrong}, group=groups[0][3])
+    return {"world_size": world, "collectives": args.collectives, "group_cycles": args.groups, "calls_s": calls_s,
+            "ranks": everyone}
+
+
+def _group_cycles(n: int, world: int, rng: random.Random) -> int:
+    """``n`` subgroups made on the slipstream backend, used once, destroyed; how many gave a
+    wrong sum."""
+    rank, wrong = dist.get_rank(), 0
+    for _ in range(n):
+        members = sorted(rng.sample(range(world), rng.randint(min(2, world), world)))
+        numel = 1 + rng.randrange(1 << 16)
+        group = dist.new_group(members)
+        if rank in members:
+            x = torch.full((numel,), float(rank + 1))
+            dist.all_reduce(x, group=group)
+            wrong += not bool((x == sum(r + 1 for r in members)).all())
+        dist.destroy_process_group(group)
+    return wrong
+
+
+if __name__ == "__main__":
+    run_worker(soak, options={"--collectives": int, "--groups": int, "--max-bytes": int, "--seed": int},
+               group="slipstream")

@@ -1,0 +1,59 @@
+"""``slipstream bench soak``: a short real run checked against gloo, and the verdict's rules."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+
+from slipstream.bench.soak import verdict
+from slipstream.cli import main
+
+
+def test_short_soak_matches_gloo_and_keeps_resources_flat(tmp_path):
+    out = tmp_path / "soak.json"
+    rc = main(["bench", "soak", "--layouts", "1x4", "--collectives", "1200", "--groups", "8", "--max-bytes", "256K",
+               "--seed", "3", "--json", str(out)])
+    (record,) = json.loads(out.read_text())
+    assert rc == 0 and record["failed"] == [], record["failed"]
+    assert record["differ"] == 0 and record["cycles_wrong"] == 0 and record["world_size"] == 4
+    kinds = {k for r in record["ranks"] for k in r["by_kind"]}
+    assert kinds == {"all_reduce", "reduce_scatter", "all_gather"}
+    # every rank took part in calls of every kind, on several groups (the draws are shared)
+    assert all(sum(r["by_kind"].values()) > 300 for r in record["ranks"])
+
+
+def _raw(moment="end", **changed) -> dict:
+    snap = {"rss_mib": 300.0, "fds": 20, "threads": 6, "segments": 2}
+    rank = {"rank": 0, "differ_count": 0, "differ": [], "cycles_wrong": 0,
+            "snapshots": {m: dict(snap) for m in ("start", "after_1000", "middle", "end", "after_groups")}}
+    rank["snapshots"][moment].update(changed)
+    if moment == "end":  # the group cycles start from the end of the calls
+        rank["snapshots"]["after_groups"].update(changed)
+    return {"ranks": [rank, copy.deepcopy(rank) | {"rank": 1}]}
+
+
+@pytest.mark.parametrize("end, failed", [
+    ({}, None),
+    ({"rss_mib": 314.0}, None),  # 4.7%: within the bound
+    ({"rss_mib": 315.0}, "memory grew 300 -> 315"),
+    ({"fds": 21}, "fds 20 -> 21"),
+    ({"threads": 7}, "threads 6 -> 7"),
+    ({"segments": 3}, "segments 2 -> 3"),
+])
+def test_the_verdict_fails_growth_from_the_1000th_call_and_any_change_in_resources(end, failed):
+    got = verdict(_raw(**end))
+    assert (got == []) if failed is None else any(failed in line for line in got), got
+
+
+def test_the_verdict_fails_descriptors_or_threads_left_by_the_group_cycles():
+    assert any("fds 20 -> 25 over the group cycles" in line for line in verdict(_raw("after_groups", fds=25)))
+    assert any("threads 6 -> 9 over the group cycles" in line for line in verdict(_raw("after_groups", threads=9)))
+    assert verdict(_raw("after_groups", rss_mib=330.0)) == []  # memory is judged over the calls
+
+
+def test_the_verdict_fails_a_result_differing_from_gloo():
+    raw = _raw()
+    raw["ranks"][1].update(differ_count=1, differ=["call 7: all_reduce sum torch.bfloat16 x 10 on world"])
+    assert any("1 results differ" in line for line in verdict(raw))
