@@ -18,8 +18,9 @@ Cases, from the victim's side (every other rank keeps calling ``FAULT_OP`` on a 
     megatron        megatron-core TP=2 x DP layers (column- then row-parallel, gradients averaged
                     over the data-parallel group): exits 50 ms into step 4, inside the TP
                     all-reduces
-    deepspeed       ZeRO-2 through the DeepSpeed adapter: exits 50 ms into step 4 (with
-                    ``SLIPSTREAM_OVERLAP=1``, buckets of 256 Ki elements, reduced during backward)
+    deepspeed       ZeRO-2 (``FAULT_ZERO=3``: ZeRO-3) through the DeepSpeed adapter: exits 50 ms
+                    into step 4 (with ``SLIPSTREAM_OVERLAP=1``, buckets of 256 Ki elements,
+                    reduced during backward)
 
 Each rank prints ``FAULT <unix time>`` just before its fault (or mismatched call), and a rank
 whose collective raises prints ``ERROR <type>: <message>`` and exits 1. A rank that completes
@@ -181,12 +182,14 @@ def _fsdp(victim: bool) -> int:
 
 
 def _deepspeed(victim: bool) -> int:
-    """ZeRO-2 on the group made above (DeepSpeed adopts it), its collectives through the adapter."""
+    """ZeRO-2 or ZeRO-3 (``FAULT_ZERO``) on the group made above (DeepSpeed adopts it), its
+    collectives through the adapter."""
     import deepspeed
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(4)])
-    config = {"train_micro_batch_size_per_gpu": 64, "zero_optimization": {"stage": 2},
+    stage = int(os.environ.get("FAULT_ZERO", "2"))
+    config = {"train_micro_batch_size_per_gpu": 64, "zero_optimization": {"stage": stage},
               "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
               "zero_force_ds_cpu_optimizer": False, "slipstream": {"enabled": True}}
     if os.environ.get("SLIPSTREAM_OVERLAP") == "1":

@@ -152,11 +152,29 @@ CASES = [
     ("deepspeed", 1, 1, "all_reduce", {}, DIED),
     ("deepspeed", 2, 2, "all_reduce", {"SLIPSTREAM_CONNECTIONS": "2"}, DIED),
     ("deepspeed", 2, 1, "reduce_scatter", {"SLIPSTREAM_OVERLAP": "1"}, DIED),  # buckets during backward
+    ("deepspeed", 2, 1, "reduce_scatter", {"SLIPSTREAM_OVERLAP": "1", "FAULT_ZERO": "3"}, DIED),  # ZeRO-3's
 ]
 
 
-@pytest.mark.parametrize("case,nodes,victim,op,env,cause", CASES,
-                         ids=[f"{c[0]}-{c[1]}node-r{c[2]}-{c[3]}{'-' + '-'.join(c[4]) if c[4] else ''}" for c in CASES])
+# The default run takes one case of each fault, stack and transport setting; ``-m faults``
+# takes them all (``matrix``: conftest.py).
+DEFAULT_RUN = {"before_first-2node-r3-all_reduce-SLIPSTREAM_CONNECTIONS", "setup-1node-r0-all_reduce",
+               "mid-1node-r0-reduce_scatter", "mid-2node-r3-all_gather-SLIPSTREAM_CONNECTIONS",
+               "overlapped-2node-r3-reduce_scatter-SLIPSTREAM_WIRE", "frozen-1node-r1-all_reduce",
+               "frozen-2node-r2-all_reduce-SLIPSTREAM_WIRE", "mismatch-1node-r1-all_reduce-SLIPSTREAM_DEBUG",
+               "other_call-1node-r1-all_reduce-SLIPSTREAM_DEBUG", "fsdp-2node-r1-reduce_scatter-SLIPSTREAM_OVERLAP",
+               "megatron-2node-r1-all_reduce-SLIPSTREAM_CONNECTIONS",
+               "deepspeed-2node-r1-reduce_scatter-SLIPSTREAM_OVERLAP",
+               "deepspeed-2node-r1-reduce_scatter-SLIPSTREAM_OVERLAP-FAULT_ZERO"}
+
+
+def _case_id(c) -> str:
+    return f"{c[0]}-{c[1]}node-r{c[2]}-{c[3]}{'-' + '-'.join(c[4]) if c[4] else ''}"
+
+
+@pytest.mark.parametrize("case,nodes,victim,op,env,cause",
+                         [pytest.param(*c, id=_case_id(c),
+                                       marks=[pytest.mark.matrix] * (_case_id(c) not in DEFAULT_RUN)) for c in CASES])
 def test_survivors_exit_within_the_timeout_naming_the_cause(tmp_path, case, nodes, victim, op, env, cause):
     if case == "megatron":
         pytest.importorskip("megatron.core")

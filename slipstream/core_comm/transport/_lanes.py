@@ -184,7 +184,8 @@ class _Lanes:
         where = f"{doing} {peer} on connection {c} during {call.describe()}"
         if isinstance(e, (socket.timeout, TimeoutError)):
             return TransportError(f"no progress {where} for {self.timeout_s:g} s (timeout_s): the peer "
-                                  "has died, hangs, or has not called the same collective")
+                                  "has died, hangs, is cut off (the link to it is down), or has not called the "
+                                  "same collective")
         if isinstance(e, (EOFError, ConnectionError)):
             return TransportError(f"connection lost {where} ({e or 'closed by the peer'}): "
                                   "the peer process has probably exited or failed")

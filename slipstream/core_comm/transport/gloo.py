@@ -15,11 +15,13 @@ __all__ = ["GlooInter"]
 
 
 class GlooInter:
-    __slots__ = ("group", "rank", "size")
+    __slots__ = ("group", "rank", "size", "peers")
 
     def __init__(self, group: dist.ProcessGroup) -> None:
         self.group = group
         self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
+        self.peers = [dist.get_global_rank(group, q) for q in range(self.size) if q != self.rank]
+        """The global ranks this rank exchanges with, on the other nodes."""
 
     def all_reduce(self, shard, op, async_op=False):
         combine = COMBINE.get(op)
@@ -32,7 +34,7 @@ class GlooInter:
         received = torch.empty_like(shard)
         works = self.exchange([shard] * 2, [received] * 2)
         first, second = (shard, received) if self.rank == 0 else (received, shard)
-        return _finish(works, lambda: combine(first, second, out=shard), async_op)
+        return _finish(works, lambda: combine(first, second, out=shard), async_op, self.peers)
 
     def reduce_scatter(self, out, inp, op, async_op=False, lengths=None):
         """``out: (m,)`` gets block ``rank`` of the reduction of every peer's ``inp: (size*m,)``.
@@ -51,7 +53,7 @@ class GlooInter:
             mine = lengths[self.rank]
             received[:, mine:] = 0
             works = self.exchange([b[:n] for b, n in zip(blocks, lengths)], [row[:mine] for row in received])
-        return _finish(works, lambda: reduce_rows(received, out, op, self.size), async_op)
+        return _finish(works, lambda: reduce_rows(received, out, op, self.size), async_op, self.peers)
 
     def all_gather(self, out, inp, async_op=False):
         """``out: (size*m,)`` gets every peer's ``inp: (m,)`` in group-rank order."""
@@ -61,7 +63,7 @@ class GlooInter:
         rows = out.view(self.size, inp.numel())
         rows[self.rank].copy_(inp)
         works = self.exchange([inp] * self.size, rows)
-        return _finish(works, None, async_op)
+        return _finish(works, None, async_op, self.peers)
 
     def exchange(self, sends, recvs) -> list:
         """Send ``sends[q]`` to and receive ``recvs[q]`` from every peer q but this rank (any
@@ -77,12 +79,18 @@ class GlooInter:
         return works + [dist.isend(sends[q], g, group=self.group) for q, g in peers if sends[q].numel()]
 
 
-def _finish(works: list, then: Callable[[], object] | None, async_op: bool) -> Work | None:
+def _finish(works: list, then: Callable[[], object] | None, async_op: bool, peers: list[int]) -> Work | None:
     """The exchange's handle: its ``wait()`` waits for every send and receive, then runs
-    ``then`` (the reduction) once, on the waiting thread; without ``async_op``, now."""
+    ``then`` (the reduction) once, on the waiting thread; without ``async_op``, now. gloo's
+    error (a timeout, a lost connection) comes out naming the ``peers`` (global ranks)."""
     def finish() -> None:
-        for work in works:
-            work.wait()
+        try:
+            for work in works:
+                work.wait()
+        except RuntimeError as e:
+            raise RuntimeError(f"exchange with global rank(s) {', '.join(map(str, peers))} on the other node(s) "
+                               f"failed: {e} (the peer has died, hangs, is cut off: the link to it is down, or "
+                               "has not called the same collective)") from e
         if then is not None:
             then()
 
