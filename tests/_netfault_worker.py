@@ -11,7 +11,6 @@ the results that differed, the slowest call. A collective that raises prints
 """
 
 import json
-import os
 import sys
 import time
 import traceback

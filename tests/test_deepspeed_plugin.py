@@ -141,7 +141,12 @@ def _overlap_against_blocking(rank, world, gas):
         assert overlaps(engines[0].optimizer) is overlap
         runs[overlap] = losses, grads, weights, counters.timeline.take()
         uninstall()
-    blocking, overlapped = runs[False], runs[True]
+    return _bit_equal_runs(runs[False], runs[True])
+
+
+def _bit_equal_runs(blocking, overlapped):
+    """Runs of ``(losses, reduced gradients per step, weights, timeline)``, blocking and
+    overlapped: bit-equal losses, gradients and weights; the two timelines."""
     assert blocking[0] == overlapped[0], "losses differ from the blocking path's"
     for a, b in zip([*blocking[2], *(g for step in blocking[1] for g in step)],
                     [*overlapped[2], *(g for step in overlapped[1] for g in step)]):
@@ -250,12 +255,7 @@ def _zero3_reduces(rank, world):
         timeline["buckets"] = (deferred.__self__.issued, deferred.__self__.running_on) if deferred else (0, 0)
         runs[overlap] = losses, grads, _full_weights(engine), timeline
         uninstall()
-    blocking, overlapped = runs[False], runs[True]
-    assert blocking[0] == overlapped[0], "losses differ from the blocking path's"
-    for a, b in zip([*blocking[2], *(g for step in blocking[1] for g in step)],
-                    [*overlapped[2], *(g for step in overlapped[1] for g in step)]):
-        assert torch.equal(a, b), "weights or reduced gradients differ from the blocking path's"
-    return blocking[3], overlapped[3]
+    return _bit_equal_runs(runs[False], runs[True])
 
 
 def test_zero3_gradient_buckets_reduce_while_backward_computes_bit_equal_to_blocking():

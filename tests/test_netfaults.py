@@ -86,6 +86,14 @@ def _run(tmp_path: Path, *, down_s: float | None, timeout_s: float, env: dict) -
             "segments": _segments_of({p.pid for p in procs})}
 
 
+def _report(entry: dict) -> None:
+    """With ``SLIPSTREAM_FAULTS_REPORT=path``, append ``entry`` to ``path`` (a JSON line)."""
+    path = os.environ.get("SLIPSTREAM_FAULTS_REPORT")
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps(entry) + "\n")
+
+
 def _note_ends(procs, ended: dict, *, until: float) -> None:
     """Record when each rank exits, until ``until`` or until all have."""
     while time.time() < until and len(ended) < len(procs):
@@ -138,6 +146,9 @@ def test_a_link_down_for_2s_inside_the_timeout_is_survived_with_exact_results(tm
         assert record["rounds"] >= 2, record  # rounds ran before and after the cut
         assert record["slowest_s"] >= 1.5, record  # a call stalled across the cut, and completed
     assert not res["segments"], f"segments left: {res['segments']}"
+    _report({"case": "link down 2 s", "env": env, "survived": True, "results_equal": True,
+             "slowest_call_s": round(max(r["slowest_s"] for r in res["records"]), 2),
+             "rounds": min(r["rounds"] for r in res["records"])})
 
 
 # Who a rank names when the link is gone: the peer it waited for (across the link, or its
@@ -158,5 +169,10 @@ def test_a_link_down_past_the_timeout_fails_every_rank_in_time_and_a_restart_suc
             f"rank {rank} raised {float(raised[0]) - res['down']:.1f} s after the cut: {errors[0]}"
         assert res["ended"][rank] - res["down"] <= 1.2 * TIMEOUT_S + MARGIN_S, f"rank {rank} exited late"
     assert not res["segments"], f"segments left: {res['segments']}"
+    raised = [float(re.findall(r"^RAISED (\S+)$", out, re.M)[0]) - res["down"] for out in res["out"]]
+    _report({"case": f"link down past the {TIMEOUT_S:g} s timeout", "env": env, "failed_cleanly": True,
+             "slowest_raise_s": round(max(raised), 2),
+             "slowest_exit_s": round(max(res["ended"].values()) - res["down"], 2),
+             "errors": sorted({re.findall(r"^ERROR (.*)$", out, re.M)[0][:100] for out in res["out"]})})
     again = _run(tmp_path / "restart", down_s=None, timeout_s=30.0, env=env)
     assert again["rc"] == [0, 0, 0, 0] and all(r and not r["wrong"] for r in again["records"]), again["out"]
