@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 import slipstream
+from _stack_steps import make_step
 
 N = 4 << 20  # 16 MiB of float32: above the hierarchical path's minimum
 CALLS = 200  # back to back: a fault from a timer lands inside one of them
@@ -97,12 +98,10 @@ def main(case: str) -> int:
         os._exit(3)
     if victim and case == "setup":
         _die_holding_a_segment()
-    if case == "fsdp":
-        return _fsdp(victim)
-    if case == "megatron":
-        return _megatron(victim)
+    if case in ("fsdp", "megatron"):
+        return _train(case, victim)
     if case == "deepspeed":
-        return _deepspeed(victim)
+        return _train("deepspeed3" if os.environ.get("FAULT_ZERO") == "3" else "deepspeed", victim)
     x = torch.ones(N)
     try:
         for i in range(CALLS):
@@ -131,76 +130,14 @@ def main(case: str) -> int:
     return 0
 
 
-def _megatron(victim: bool) -> int:
-    from megatron.core import parallel_state, tensor_parallel
-    from megatron.core.model_parallel_config import ModelParallelConfig
-
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
-    cfg = ModelParallelConfig(tensor_model_parallel_size=2, use_cpu_initialization=True)
-    init = lambda w: torch.nn.init.normal_(w, std=0.02)  # noqa: E731
-    col = tensor_parallel.ColumnParallelLinear(512, 2048, config=cfg, init_method=init, bias=True, gather_output=False)
-    row = tensor_parallel.RowParallelLinear(2048, 512, config=cfg, init_method=init, bias=True, input_is_parallel=True,
-                                            skip_bias_add=False)
-    dp = parallel_state.get_data_parallel_group()
+def _train(stack: str, victim: bool) -> int:
+    """Steps of ``stack`` (``_stack_steps.py``); the victim exits 50 ms into step 4."""
     try:
-        for step in range(200):
-            if victim and step == 3:
+        step = make_step(stack)
+        for i in range(200):
+            if victim and i == 3:
                 threading.Timer(0.05, _fault_now_and_exit).start()
-            for _ in range(20):  # forward all-reduces of the row-parallel layer, then its backward's
-                h, _ = col(torch.randn(64, 4, 512))
-                y, _ = row(torch.nn.functional.gelu(h))
-                y.pow(2).mean().backward()
-            grads = torch.cat([p.grad.reshape(-1) for p in (*col.parameters(), *row.parameters())])
-            dist.all_reduce(grads, group=dp)
-    except Exception as e:  # noqa: BLE001 - reported to the harness
-        _report(e)
-    return 0
-
-
-def _fsdp(victim: bool) -> int:
-    from torch.distributed.fsdp import fully_shard
-
-    from slipstream import fsdp
-
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(4)])
-    for layer in model:
-        fully_shard(layer)
-    fully_shard(model)
-    fsdp.apply(model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    try:
-        for step in range(200):
-            if victim and step == 3:
-                threading.Timer(0.05, _fault_now_and_exit).start()
-            model(torch.randn(64, 512)).pow(2).mean().backward()
-            opt.step()
-            opt.zero_grad()
-    except Exception as e:  # noqa: BLE001 - reported to the harness
-        _report(e)
-    return 0
-
-
-def _deepspeed(victim: bool) -> int:
-    """ZeRO-2 or ZeRO-3 (``FAULT_ZERO``) on the group made above (DeepSpeed adopts it), its
-    collectives through the adapter."""
-    import deepspeed
-
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(4)])
-    stage = int(os.environ.get("FAULT_ZERO", "2"))
-    config = {"train_micro_batch_size_per_gpu": 64, "zero_optimization": {"stage": stage},
-              "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
-              "zero_force_ds_cpu_optimizer": False, "slipstream": {"enabled": True}}
-    if os.environ.get("SLIPSTREAM_OVERLAP") == "1":
-        config["zero_optimization"]["reduce_bucket_size"] = 1 << 18
-    try:
-        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-        for step in range(200):
-            if victim and step == 3:
-                threading.Timer(0.05, _fault_now_and_exit).start()
-            engine.backward(engine(torch.randn(64, 512)).pow(2).mean())
-            engine.step()
+            step(i)
     except Exception as e:  # noqa: BLE001 - reported to the harness
         _report(e)
     return 0

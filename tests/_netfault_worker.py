@@ -1,16 +1,20 @@
 """One rank of a network-fault case (``test_netfaults.py``) on the emulated cluster.
 
-Usage: ``_netfault_worker.py DIR``, with torchrun's variables (``RANK``, ``WORLD_SIZE``,
-``MASTER_ADDR``...) set by the harness. Through the slipstream backend, the rank loops an
-all-reduce, a reduce-scatter and an all-gather of integer-valued float32 tensors, checking
-each result against the one computed here (exact: integer values), until every rank has seen
-``DIR/stop`` (agreed by a MAX all-reduce each round) or ``LIMIT_S`` has passed. It touches
-``DIR/ready<rank>`` after its first round and writes ``DIR/rank<rank>.json``: the rounds done,
-the results that differed, the slowest call. A collective that raises prints
-``RAISED <unix time>`` and ``ERROR <type>: <message>`` and exits 1.
+Usage: ``_netfault_worker.py DIR [STACK]``, with torchrun's variables (``RANK``, ``WORLD_SIZE``,
+``MASTER_ADDR``...) set by the harness. Through the slipstream backend, the rank loops rounds
+until every rank has seen ``DIR/stop`` (agreed by a MAX all-reduce each round) or ``LIMIT_S``
+has passed. A round is, without ``STACK``, an all-reduce, a reduce-scatter and an all-gather
+of integer-valued float32 tensors, each result checked against the one computed here (exact:
+integer values); with ``STACK`` (``_stack_steps.STACKS``), one training step of that stack,
+its loss recorded. ``NETFAULT_ROUNDS`` caps the rounds, ``NETFAULT_PACE_S`` makes each take
+at least that long (a sleep, so a fault lands among a known number of rounds). The rank touches ``DIR/ready<rank>`` after its first round and writes
+``DIR/rank<rank>.json``: the rounds done, the results that differed, the losses, the slowest
+call or step. A collective that raises prints ``RAISED <unix time>`` and ``ERROR <type>:
+<message>`` and exits 1.
 """
 
 import json
+import os
 import sys
 import time
 import traceback
@@ -21,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 import slipstream
+from _stack_steps import make_step
 
 N = 1 << 20  # 4 MiB of float32 a call: across nodes, the hierarchical path
 LIMIT_S = 120.0
@@ -50,22 +55,43 @@ def _round(i: int, rank: int, world: int, base: torch.Tensor) -> tuple[list[str]
     return wrong, slowest
 
 
-def main(out: Path) -> int:
+def _collectives(rank: int, world: int):
+    base = (torch.arange(N) % 251).float()
+    return lambda i: _round(i, rank, world, base)
+
+
+def _training(stack: str):
+    """A round: one step of ``stack``; nothing to check here (the harness compares losses)."""
+    step = make_step(stack)
+
+    def round_(i: int) -> tuple[list[str], float, float]:
+        started = time.perf_counter()
+        loss = step(i)
+        return [], time.perf_counter() - started, loss
+
+    return round_
+
+
+def main(out: Path, stack: str | None) -> int:
     slipstream.enable()
     dist.init_process_group("slipstream", timeout=timedelta(seconds=60))
     rank, world = dist.get_rank(), dist.get_world_size()
-    base = (torch.arange(N) % 251).float()
-    record = {"rank": rank, "rounds": 0, "wrong": [], "slowest_s": 0.0}
+    record = {"rank": rank, "rounds": 0, "wrong": [], "slowest_s": 0.0, "losses": []}
     deadline = time.time() + LIMIT_S
+    rounds, pace = int(os.environ.get("NETFAULT_ROUNDS", "0")), float(os.environ.get("NETFAULT_PACE_S", "0"))
     try:
+        round_ = _collectives(rank, world) if stack is None else _training(stack)
         while True:
-            wrong, slowest = _round(record["rounds"], rank, world, base)
+            wrong, slowest, *loss = round_(record["rounds"])
             record["rounds"] += 1
             record["wrong"] += wrong
+            record["losses"] += loss
             record["slowest_s"] = max(record["slowest_s"], slowest)
             if record["rounds"] == 1:
                 (out / f"ready{rank}").touch()
-            stop = torch.tensor([float((out / "stop").exists() or time.time() > deadline)])
+            time.sleep(max(0.0, pace - slowest))
+            done = record["rounds"] == rounds or (out / "stop").exists() or time.time() > deadline
+            stop = torch.tensor([float(done)])
             dist.all_reduce(stop, op=dist.ReduceOp.MAX)
             if stop.item():
                 break
@@ -80,4 +106,4 @@ def main(out: Path) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(Path(sys.argv[1])))
+    sys.exit(main(Path(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else None))

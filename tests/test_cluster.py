@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import textwrap
+import time
 
 import pytest
 
 from slipstream.cluster import ClusterSpec, EmulatedCluster, LaunchError, _netns, launch, parse_rate
+from slipstream.cluster._impair import Impairment
 
 # Each rank allreduces (rank + 1) and records what it saw.
 _WORKER = textwrap.dedent(
@@ -64,11 +68,19 @@ def test_parse_rate_rejects_garbage(text):
     [dict(nodes=0), dict(ranks_per_node=0), dict(nodes=1, link="1gbit"), dict(nodes=2, link="x"),
      dict(nodes=2, per_connection_rate="100mbit"),
      dict(nodes=2, link="100mbit", per_connection_rate="1gbit"),
-     dict(nodes=2, link="1gbit", capped_ports=range(29490, 29510))],
+     dict(nodes=2, link="1gbit", capped_ports=range(29490, 29510)),
+     dict(nodes=1, impair="loss 1%"), dict(nodes=2, impair=""), dict(nodes=2, impair="loss 100%"),
+     dict(nodes=2, impair="reorder 5%"), dict(nodes=2, impair="delay 5ms 10ms"), dict(nodes=2, impair="jitter 3ms")],
 )
 def test_spec_rejects_bad_settings(kwargs):
     with pytest.raises(ValueError):
         ClusterSpec(**kwargs)
+
+
+def test_an_impairment_reads_netems_words():
+    spec = ClusterSpec(nodes=2, impair="delay 50ms 20ms, loss 1.5% seed 7")
+    assert spec.impairment == Impairment(loss=0.015, delay_s=0.05, jitter_s=0.02, seed=7)
+    assert ClusterSpec(nodes=2, impair="delay 10ms reorder 25%").impairment == Impairment(delay_s=0.01, reorder=0.25)
 
 
 def test_single_node_launch_needs_no_namespaces(tmp_path):
@@ -101,6 +113,43 @@ def test_link_is_shaped_at_the_configured_rate_both_ways():
         switch = _netns.run("tc", "qdisc", "show", ns=cluster.switch_namespace)
         assert switch.count("rate 100Mbit") == 2
         assert len(set(cluster.node_ips)) == 2 and all(ip.startswith("10.213.") for ip in cluster.node_ips)
+
+
+_LISTEN = "import socket,sys\ns=socket.create_server((sys.argv[1],5300),backlog=64)\nprint('ready',flush=True)\n" \
+          "while True:\n    s.accept()[0].close()"
+_CONNECT = "import socket,sys,time\nfor _ in range(5):\n    t=time.perf_counter()\n" \
+           "    socket.create_connection((sys.argv[1],5300),timeout=10).close()\n    print(time.perf_counter()-t)"
+
+
+def _connect_times(cluster: EmulatedCluster) -> list[float]:
+    """Seconds each of 5 TCP connections from node 1 to node 0 took to open (one round trip)."""
+    listener = subprocess.Popen(cluster.node_command(0, [sys.executable, "-c", _LISTEN, cluster.node_ips[0]]),
+                                stdout=subprocess.PIPE, text=True)
+    try:
+        assert listener.stdout.readline().strip() == "ready"
+        out = subprocess.run(cluster.node_command(1, [sys.executable, "-c", _CONNECT, cluster.node_ips[0]]),
+                             capture_output=True, text=True, timeout=60, check=True).stdout
+    finally:
+        listener.kill()
+        listener.wait()
+    return [float(line) for line in out.split()]
+
+
+@pytest.mark.netns
+def test_an_impaired_link_delays_and_drops_what_each_node_sends():
+    with EmulatedCluster(ClusterSpec(nodes=2, link="1gbit", impair="delay 30ms, loss 5%, seed 1")) as cluster:
+        connects = _connect_times(cluster)
+        cluster.measure_throughput(nbytes=4 << 20)  # completes: TCP sends again what was lost
+        time.sleep(0.6)  # the forwarder's counters are written every 0.5 s
+        stats = cluster.impair_stats
+        stats_file, switch = cluster._stats_path(), cluster.switch_namespace
+        forwarder = _netns.ns_pids(switch)
+    assert min(connects) >= 0.06, connects  # the SYN and the SYN-ACK, each held 30 ms
+    frames, dropped = stats["frames"], stats["dropped"]
+    assert frames > 2000 and abs(dropped - 0.05 * frames) <= 5 * (frames * 0.05 * 0.95) ** 0.5, stats
+    assert stats["delayed"] == frames - dropped - stats["overflowed"], stats
+    assert forwarder and not any(_netns._alive(pid) for pid in forwarder)
+    assert not os.path.exists(stats_file) and not _ours()
 
 
 @pytest.mark.netns

@@ -26,7 +26,8 @@ the most TCP can get; 2-core KVM guest, kernel 6.18):
 Per-connection caps use htb with one class per port of ``capped_ports`` and u32 filters on the
 source and destination port; fq's ``maxrate`` (per-flow pacing) would need no port range, but
 this kernel has neither fq nor netem (``tc qdisc add ... fq``: "Specified qdisc kind is
-unknown"), so there is no delay option either. A connection is capped when one of its ends
+unknown"). Loss, delay and reordering (``impair``) go through a forwarder in user space instead
+(``_forwarder.py``). A connection is capped when one of its ends
 uses a port of the range, and capped on its own when no other connection uses that port: a
 transport gives every connection its own listening port in the range, or binds its client
 sockets there. Automatic (ephemeral) ports start at 32768, so the default range
@@ -39,16 +40,17 @@ import atexit
 import os
 import re
 import secrets
-import signal
+import select
 import subprocess
 import sys
+import tempfile
 import threading
-import time
-from collections import deque
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from . import _netns
+from . import _impair, _netns
+from ._impair import Impairment, parse_impairment
+from ._launcher import LaunchError, _restore_handlers, _run_nodes, _unwind_on_termination
 from ._netns import NetnsError
 
 __all__ = ["ClusterSpec", "EmulatedCluster", "LaunchError", "NetnsError", "launch", "parse_rate"]
@@ -61,6 +63,7 @@ for _i, _p in enumerate("kmgt", start=1):
 _NAME = re.compile(r"slipstream-(\d+)-([0-9a-f]+)-(\d+)-(n\d+|sw)$")
 _MASTER_PORT = 29500
 _SUBNET = "10.213"
+_FORWARDER_START_S = 30.0  # an interpreter's start on a loaded 2-core machine, with margin
 
 
 def parse_rate(rate: str) -> float:
@@ -88,6 +91,10 @@ class ClusterSpec:
     """tc rate capping each connection that uses a port of ``capped_ports``; needs ``link``."""
     capped_ports: range = range(20000, 20064)
     """Ports with a per-connection cap, one htb class each (consecutive, at most 1024)."""
+    impair: str | None = None
+    """What each node's link does to the frames the node sends, in netem's words (``"loss 1%"``,
+    ``"delay 50ms 20ms"``, ``"delay 10ms reorder 25%"``); done by a forwarder in user space,
+    which also caps the rate (see ``_forwarder.py``). None: a clean link."""
     pin_nodes: bool = False
     """Run each node's ranks on their own share of this machine's CPUs (``taskset``), so that
     a node's compute, its ranks' waits and the kernel's network work they start (a veth
@@ -107,6 +114,10 @@ class ClusterSpec:
                 raise ValueError("per_connection_rate caps connections under a link rate: set link")
             if parse_rate(self.per_connection_rate) > parse_rate(self.link):
                 raise ValueError("per_connection_rate exceeds the link rate; it would cap nothing")
+        if self.impair is not None:
+            parse_impairment(self.impair)
+            if self.nodes == 1:
+                raise ValueError("impair acts on the links between nodes: set nodes >= 2 or impair=None")
         ports = self.capped_ports
         if ports.step != 1 or not 1 <= len(ports) <= 1024 or ports.start < 1 or ports.stop > 65536:
             raise ValueError(f"capped_ports must be 1-1024 consecutive ports, got {ports!r}")
@@ -122,47 +133,18 @@ class ClusterSpec:
         return None if self.link is None else parse_rate(self.link)
 
     @property
+    def impairment(self) -> Impairment | None:
+        return None if self.impair is None else parse_impairment(self.impair)
+
+    @property
     def emulated(self) -> bool:
         """Whether nodes are network namespaces (else: one plain local node)."""
         return self.nodes > 1
 
 
-class LaunchError(RuntimeError):
-    """A node's launcher failed or timed out; the message holds its last lines of output."""
-
-
 # Clusters entered and not yet closed, closed at interpreter exit and on SIGTERM / SIGHUP.
 _LIVE: dict[int, "EmulatedCluster"] = {}
 _SAVED_HANDLERS: dict[int, object] = {}
-
-
-def _exit_on_signal(signum: int, frame: object) -> None:
-    raise SystemExit(128 + signum)  # unwinds through ``with`` blocks, then atexit
-
-
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
-
-
-def _unwind_on_termination() -> dict:
-    """Make SIGTERM and SIGHUP raise ``SystemExit`` where they would still kill this process
-    outright (main thread, default handler), and SIGINT raise ``KeyboardInterrupt`` where it is
-    ignored: a job started in the background by a script inherits SIGINT ignored, and a
-    ``kill -INT`` would then leave its ranks running to the end (torchrun, too, handles SIGINT
-    whatever it inherited). Returns the handlers to put back."""
-    saved = {}
-    if threading.current_thread() is threading.main_thread():
-        for sig in (signal.SIGTERM, signal.SIGHUP):
-            if signal.getsignal(sig) is signal.SIG_DFL:
-                saved[sig] = signal.signal(sig, _exit_on_signal)
-        if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
-            saved[signal.SIGINT] = signal.signal(signal.SIGINT, _interrupt)
-    return saved
-
-
-def _restore_handlers(saved: dict) -> None:
-    for sig, handler in saved.items():
-        signal.signal(sig, handler)
 
 
 def _close_all() -> None:
@@ -200,7 +182,7 @@ class EmulatedCluster:
     iface = "veth0"
     """Interface name inside every node namespace."""
 
-    __slots__ = ("spec", "_tag", "_octet", "_made")
+    __slots__ = ("spec", "_tag", "_octet", "_made", "_forwarder")
 
     def __init__(self, spec: ClusterSpec) -> None:
         if not spec.emulated:
@@ -209,6 +191,7 @@ class EmulatedCluster:
         self._tag: str | None = None  # name prefix, chosen on enter
         self._octet = 0  # third octet of this cluster's addresses
         self._made: list[str] = []  # namespaces created, in order
+        self._forwarder: subprocess.Popen | None = None  # with ``impair``: the switch's forwarder
 
     @property
     def namespaces(self) -> tuple[str, ...]:
@@ -249,8 +232,26 @@ class EmulatedCluster:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    @property
+    def impair_stats(self) -> dict:
+        """The impairing forwarder's counters (``_forwarder.py``): frames the nodes sent, dropped,
+        delayed, dropped for a full queue (``overflowed``); refreshed every 0.5 s."""
+        if self.spec.impair is None:
+            raise RuntimeError("this cluster's links are clean (ClusterSpec.impair is None)")
+        return _impair.read_stats(self._stats_path())
+
+    def _stats_path(self) -> str:
+        return os.path.join(tempfile.gettempdir(), f"{self._entered_tag()}-impair.json")
+
     def close(self) -> None:
         """Kill what runs in our namespaces and delete them; idempotent."""
+        if self._forwarder is not None:
+            self._forwarder.kill()
+            self._forwarder.wait()
+            self._forwarder = None
+            for path in (self._stats_path(), self._stats_path() + ".tmp"):
+                if os.path.exists(path):
+                    os.remove(path)
         while self._made:
             _netns.del_ns(self._made.pop())
         _track(self, False)
@@ -268,7 +269,10 @@ class EmulatedCluster:
             self._add_ns(ns)
             port = f"n{i}"
             _netns.add_veth(ns, self.iface, sw, port)
-            run("ip", "link", "set", port, "master", "br0", "up", ns=sw)
+            if spec.impair is not None:  # the port's own bridge, joined to br0 by the forwarder
+                run("ip", "link", "add", f"b{i}", "type", "bridge", ns=sw)
+                run("ip", "link", "set", f"b{i}", "up", ns=sw)
+            run("ip", "link", "set", port, "master", "br0" if spec.impair is None else f"b{i}", "up", ns=sw)
             run("ip", "addr", "add", f"{ip}/24", "dev", self.iface, ns=ns)
             run("ip", "link", "set", self.iface, "up", ns=ns)
             if spec.link is not None:  # both directions: the node's egress and the switch's towards it
@@ -276,6 +280,20 @@ class EmulatedCluster:
                 for where, dev in ((ns, self.iface), (sw, port)):
                     _netns.shape_egress(where, dev, parse_rate(spec.link), per_connection_bps=per_conn,
                                         capped_ports=spec.capped_ports)
+        if spec.impair is not None:
+            self._start_forwarder()
+
+    def _start_forwarder(self) -> None:
+        """Start the impairing forwarder in the switch namespace; put its taps on the bridges."""
+        sw, argv = self.switch_namespace, _impair.command(self.spec.nodes, self.spec.impairment, self._stats_path())
+        self._forwarder = subprocess.Popen(["ip", "netns", "exec", sw, *argv], stdout=subprocess.PIPE, text=True)
+        ready, _, _ = select.select([self._forwarder.stdout], [], [], _FORWARDER_START_S)
+        if not ready or self._forwarder.stdout.readline().strip() != "ready":  # type: ignore[union-attr]
+            raise NetnsError(f"the impairing forwarder did not start within {_FORWARDER_START_S:g} s "
+                             f"(exit code {self._forwarder.poll()}; is /dev/net/tun there?)")
+        for i in range(self.spec.nodes):
+            for tap, bridge in zip(_impair.tap_names(i), ("br0", f"b{i}")):
+                _netns.run("ip", "link", "set", tap, "txqueuelen", "10000", "master", bridge, "up", ns=sw)
 
     def node_command(self, node: int, argv: Sequence[str]) -> list[str]:
         """``argv`` run inside node ``node``'s namespace (on its CPUs with ``pin_nodes``)."""
@@ -349,81 +367,3 @@ def launch(argv: Sequence[str], spec: ClusterSpec, *, env: Mapping[str, str] | N
                 "--nproc-per-node", str(spec.ranks_per_node), *argv]
     _run_nodes([(torchrun, {"GLOO_SOCKET_IFNAME": "lo", **(env or {}), "SLIPSTREAM_NODE": "0"})],
                timeout)
-
-
-def _stream(proc: subprocess.Popen, prefix: str, tail: deque) -> None:
-    for line in proc.stdout:  # type: ignore[union-attr]
-        tail.append(line)
-        sys.stdout.write(prefix + line)
-        sys.stdout.flush()
-
-
-def _run_nodes(commands: Sequence[tuple[list[str], Mapping[str, str]]], timeout: float | None) -> None:
-    """Start one launcher per node, stream their output, fail fast on the first failure.
-    SIGINT, SIGTERM and SIGHUP stop every rank (SIGTERM, then SIGKILL after 5 s) before this
-    returns: while the ranks run, SIGTERM and SIGHUP (a scheduler stopping the job) unwind like
-    Ctrl-C into the cleanup (the launchers run in sessions of their own, which a signal to this
-    process does not reach)."""
-    saved = _unwind_on_termination()
-    try:
-        _run_and_reap(commands, timeout)
-    finally:
-        _restore_handlers(saved)
-
-
-def _run_and_reap(commands: Sequence[tuple[list[str], Mapping[str, str]]], timeout: float | None) -> None:
-    procs, tails, readers = [], [], []
-    ranks: set[int] = set()  # every process seen below the launchers: whose build locks to clear
-    deadline = None if timeout is None else time.monotonic() + timeout
-    succeeded = False
-    try:
-        for i, (argv, env) in enumerate(commands):
-            proc = subprocess.Popen(argv, env={**os.environ, **env}, stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, text=True, errors="replace",
-                                    start_new_session=True)
-            procs.append(proc)
-            tails.append(deque(maxlen=40))
-            prefix = f"[node {i}] " if len(commands) > 1 else ""
-            readers.append(threading.Thread(target=_stream, args=(proc, prefix, tails[-1]), daemon=True))
-            readers[-1].start()
-        next_look = 0.0
-        while True:
-            codes = [p.poll() for p in procs]
-            failed = [i for i, c in enumerate(codes) if c not in (None, 0)]
-            if failed or all(c == 0 for c in codes):
-                break
-            if deadline is not None and time.monotonic() > deadline:
-                report = _tails(tails, range(len(procs)))  # before the kill adds its noise
-                raise LaunchError(f"launch timed out after {timeout} s; killed every node\n{report}")
-            if time.monotonic() > next_look:  # a rank that dies early still held its pid here
-                ranks.update(p for proc in procs for p in _netns.descendants(proc.pid))
-                next_look = time.monotonic() + 1.0
-            time.sleep(0.05)
-        if failed:
-            for i in failed:
-                readers[i].join(timeout=5)
-            nodes = ", ".join(f"node {i} (exit code {codes[i]})" for i in failed)
-            raise LaunchError(f"{nodes} failed; killed the other nodes\n" + _tails(tails, failed))
-        succeeded = True
-    finally:
-        ranks.update(_netns.kill_process_trees(procs))
-        for r in readers:
-            r.join(timeout=5)
-        if not succeeded:  # ranks that exit 0 released their locks
-            _clear_build_locks(ranks, [{**os.environ, **env} for _, env in commands])
-
-
-def _clear_build_locks(ranks: set[int], environs: Sequence[Mapping[str, str]]) -> None:
-    """Remove the torch extension build locks our stopped ranks held (one killed while it
-    built or checked DeepSpeed's op): the next job would meet them."""
-    from ..plugins.deepspeed.build_lock import remove_locks_of
-
-    try:
-        for path in remove_locks_of(ranks, environs):
-            sys.stderr.write(f"slipstream: removed the build lock {path} of a stopped rank\n")
-    except (OSError, ImportError) as e:  # never hide why the job stopped
-        sys.stderr.write(f"slipstream: could not look for the stopped ranks' build locks: {e}\n")
-
-
-def _tails(tails: Sequence[deque], nodes: Sequence[int]) -> str:
-    return "\n".join(f"--- last lines of node {i} ---\n{''.join(tails[i])}" for i in nodes)
