@@ -83,6 +83,14 @@ def test_an_impairment_reads_netems_words():
     assert ClusterSpec(nodes=2, impair="delay 10ms reorder 25%").impairment == Impairment(delay_s=0.01, reorder=0.25)
 
 
+def test_a_hung_ip_command_fails_naming_it_within_the_bound(monkeypatch):
+    monkeypatch.setattr(_netns, "COMMAND_TIMEOUT_S", 0.3)
+    started = time.monotonic()
+    with pytest.raises(_netns.NetnsError, match=r"`sleep 30` did not finish within 0.3 s"):
+        _netns.run("sleep", "30")
+    assert time.monotonic() - started < 10
+
+
 def test_single_node_launch_needs_no_namespaces(tmp_path):
     seen = _run_worker(tmp_path, ClusterSpec(nodes=1, ranks_per_node=2))
     assert [s["sum"] for s in seen] == [3.0, 3.0]

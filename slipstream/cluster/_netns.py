@@ -28,6 +28,7 @@ __all__ = ["NetnsError", "missing_privileges", "run", "add_ns", "del_ns", "kill_
 _MIN_BURST_BYTES = 64 * 1024
 _BURST_SECONDS = 250e-6
 _QUEUE_SECONDS = 40e-3
+COMMAND_TIMEOUT_S = 60.0  # an ip/tc command takes milliseconds; a minute means it hangs
 
 
 class NetnsError(RuntimeError):
@@ -50,7 +51,10 @@ def run(*argv: str, ns: str | None = None, stdin: str | None = None, check: bool
     ``ip -n`` and ``tc -n`` enter the namespace themselves, so no process is left in it.
     """
     cmd = [argv[0], *(("-n", ns) if ns else ()), *argv[1:]]
-    proc = subprocess.run(cmd, input=stdin, capture_output=True, text=True, timeout=60)
+    try:
+        proc = subprocess.run(cmd, input=stdin, capture_output=True, text=True, timeout=COMMAND_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise NetnsError(f"`{' '.join(cmd)}` did not finish within {COMMAND_TIMEOUT_S:g} s (killed)") from None
     if check and proc.returncode != 0:
         raise NetnsError(f"`{' '.join(cmd)}` failed ({proc.returncode}): {proc.stderr.strip()}")
     return proc.stdout

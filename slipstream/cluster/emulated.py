@@ -287,8 +287,7 @@ class EmulatedCluster:
         """Start the impairing forwarder in the switch namespace; put its taps on the bridges."""
         sw, argv = self.switch_namespace, _impair.command(self.spec.nodes, self.spec.impairment, self._stats_path())
         self._forwarder = subprocess.Popen(["ip", "netns", "exec", sw, *argv], stdout=subprocess.PIPE, text=True)
-        ready, _, _ = select.select([self._forwarder.stdout], [], [], _FORWARDER_START_S)
-        if not ready or self._forwarder.stdout.readline().strip() != "ready":  # type: ignore[union-attr]
+        if not _says_ready(self._forwarder, _FORWARDER_START_S):
             raise NetnsError(f"the impairing forwarder did not start within {_FORWARDER_START_S:g} s "
                              f"(exit code {self._forwarder.poll()}; is /dev/net/tun there?)")
         for i in range(self.spec.nodes):
@@ -335,8 +334,8 @@ class EmulatedCluster:
             stdout=subprocess.PIPE, text=True,
         )
         try:
-            if recv.stdout.readline().strip() != "ready":  # type: ignore[union-attr]
-                raise NetnsError("the throughput receiver did not start")
+            if not _says_ready(recv, timeout):
+                raise NetnsError(f"the throughput receiver did not start within {timeout:g} s")
             subprocess.run(self.node_command(src, [*tool, "send", ip, str(port), str(flows),
                                                    str(nbytes)]), check=True, timeout=timeout)
             out, _ = recv.communicate(timeout=timeout)
@@ -345,6 +344,12 @@ class EmulatedCluster:
             if recv.poll() is None:
                 recv.kill()
                 recv.wait()
+
+
+def _says_ready(proc: subprocess.Popen, timeout: float) -> bool:
+    """Whether ``proc`` prints ``ready`` as its first line within ``timeout`` seconds."""
+    ready, _, _ = select.select([proc.stdout], [], [], timeout)
+    return bool(ready) and proc.stdout.readline().strip() == "ready"  # type: ignore[union-attr]
 
 
 def _remove_stale(names: Sequence[str]) -> None:

@@ -94,7 +94,12 @@ class ShmComm:
         self._unchecked = False
         self._broken: str | None = None
         self._ctrl[self.rank, _PID] = os.getpid()
-        dist.barrier(group=group)  # every pid is written before anyone waits on peers
+        try:
+            dist.barrier(group=group)  # every pid is written before anyone waits on peers
+        except RuntimeError as e:  # gloo's, which names no one
+            raise RuntimeError(f"slipstream: the shared-memory set-up of global ranks "
+                               f"{dist.get_process_group_ranks(group)} failed: one of them died or did not "
+                               f"arrive ({e})") from e
 
     @staticmethod
     def supports(tensor: torch.Tensor, op=ReduceOp.SUM) -> str | None:
