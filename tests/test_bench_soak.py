@@ -57,3 +57,23 @@ def test_the_verdict_fails_a_result_differing_from_gloo():
     raw = _raw()
     raw["ranks"][1].update(differ_count=1, differ=["call 7: all_reduce sum torch.bfloat16 x 10 on world"])
     assert any("1 results differ" in line for line in verdict(raw))
+
+
+def test_a_control_row_runs_gloo_on_both_sides_and_does_not_decide_the_exit(tmp_path, monkeypatch):
+    from slipstream.bench import soak
+
+    argvs = []
+
+    def launch_worker(module, argv, spec, timeout):
+        argvs.append(argv)
+        raw = _raw(rss_mib=450.0) if "--control" in argv else _raw()  # the control's memory grows 50%
+        return raw | {"world_size": 2, "collectives": 1000, "group_cycles": 0, "calls_s": 1.0}
+
+    monkeypatch.setattr(soak, "launch_worker", launch_worker)
+    out = tmp_path / "soak.json"
+    rc = main(["bench", "soak", "--layouts", "1x2", "--collectives", "1000", "--control", "--json", str(out)])
+    ours, control = json.loads(out.read_text())
+    assert ["--control" in argv for argv in argvs] == [False, True]
+    assert rc == 0 and not ours["control"] and ours["failed"] == [] and ours["rss_growth"] == [0.0, 0.0]
+    assert control["control"] and "memory grew 300 -> 450" in control["failed"][0]
+    assert control["rss_growth"] == [0.5, 0.5] and control["layout"].startswith("1x2 (control")

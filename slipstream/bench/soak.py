@@ -11,7 +11,9 @@ that gave a wrong sum, and the largest rank's resident memory, descriptors and t
 machine's slipstream shared-memory segments) at the start, after the 1,000th call, half-way, at
 the end of the calls and after the group cycles. It exits 1 when a result differed, memory
 grew 5% or more from the 1,000th call to the end, or descriptors, threads or segments changed
-from the 1,000th call to the end or over the group cycles.
+from the 1,000th call to the end or over the group cycles. ``--control`` adds a row per layout
+with the same draws on gloo on both sides (no slipstream in the process), to tell what
+slipstream's calls add to the resources from what the process and gloo do anyway.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--groups", type=int, default=500, help="subgroup create/destroy cycles (default 500)")
     parser.add_argument("--max-bytes", default="64M", help="largest call (default 64M)")
     parser.add_argument("--seed", type=int, default=0, help="the draws' seed (default 0)")
+    parser.add_argument("--control", action="store_true",
+                        help="also run each layout with gloo on both sides: resources without slipstream")
     parser.add_argument("--timeout", type=float, default=7200, help="seconds before every rank is killed")
     parser.add_argument("--json", help="write the records (a JSON list) here")
     parser.add_argument("--markdown", help="write the report (machine, command, table) here")
@@ -69,12 +73,17 @@ def verdict(raw: dict) -> list[str]:
     return failed
 
 
-def _record(layout: str, raw: dict) -> dict:
-    return {"layout": layout, **{k: raw[k] for k in ("world_size", "collectives", "group_cycles", "calls_s")},
+def _record(layout: str, raw: dict, control: bool = False) -> dict:
+    return {"layout": layout + " (control: gloo both sides)" * control, "control": control, **{k: raw[k] for k in ("world_size", "collectives", "group_cycles", "calls_s")},
             "differ": sum(r["differ_count"] for r in raw["ranks"]),
             "cycles_wrong": sum(r["cycles_wrong"] for r in raw["ranks"]),
             "peak": {m: {f: _peak(raw, m, f) for f in ("rss_mib", "fds", "threads", "segments")} for m in _MOMENTS},
-            "failed": verdict(raw), "ranks": raw["ranks"]}
+            "failed": verdict(raw), "ranks": raw["ranks"], "rss_growth": _growth(raw)}
+
+
+def _growth(raw: dict) -> list[float]:
+    """Each rank's resident memory at the end of the calls over that at the 1,000th, minus 1."""
+    return [r["snapshots"]["end"]["rss_mib"] / r["snapshots"]["after_1000"]["rss_mib"] - 1 for r in raw["ranks"]]
 
 
 def _table(records: list[dict]) -> list[str]:
@@ -84,11 +93,12 @@ def _table(records: list[dict]) -> list[str]:
         rows.append([r["layout"], r["collectives"], f"{r['calls_s']:.0f}", r["differ"],
                      f"{r['group_cycles']} ({r['cycles_wrong']} wrong)",
                      " / ".join(f"{peak[m]['rss_mib']:.0f}" for m in _MOMENTS),
+                     " / ".join(f"{g:+.0%}" for g in r["rss_growth"]),
                      *(" / ".join(str(peak[m][f]) for m in _MOMENTS) for f in ("fds", "threads", "segments")),
-                     "pass" if not r["failed"] else "FAIL: " + "; ".join(r["failed"])])
+                     ("control: " if r["control"] else "") + ("pass" if not r["failed"] else "FAIL: " + "; ".join(r["failed"]))])
     return table(["layout", "collectives", "calls (s)", "results differing from gloo", "group cycles",
-                  "RSS MiB (start / 1,000th / middle / end / after groups)", "descriptors", "threads",
-                  "shm segments", "verdict"], "lrrrllllll", rows)
+                  "RSS MiB (start / 1,000th / middle / end / after groups)", "RSS growth per rank, 1,000th to end",
+                  "descriptors", "threads", "shm segments", "verdict"], "lrrrlllllll", rows)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -100,13 +110,17 @@ def run(args: argparse.Namespace) -> int:
     if args.collectives < 1 or args.groups < 0:
         raise SystemExit("--collectives must be >= 1 and --groups >= 0")
     argv = [*flags(args, "collectives", "groups", "seed"), "--max-bytes", str(max_bytes)]
-    command = " ".join(["slipstream bench soak", *flags(args, "layouts", "max_bytes"), *argv[:-2]])
+    command = " ".join(["slipstream bench soak", *flags(args, "layouts", "max_bytes", "control"), *argv[:-2]])
     sys.stdout.write(command + "\n")
-    records = [_record(text, launch_worker("slipstream.bench.workers.soak", argv, spec, timeout=args.timeout))
-               for text, spec in layouts]
+    runs = [(text, spec, control) for text, spec in layouts for control in (False, True)[:1 + args.control]]
+    records = [_record(text, launch_worker("slipstream.bench.workers.soak", argv + ["--control"] * control, spec,
+                                           timeout=args.timeout), control) for text, spec, control in runs]
     notes = ["each call run on the slipstream backend and on gloo with the same integer-valued inputs, "
              "results compared exactly", "resources: the largest rank's (segments: the machine's slipstream "
              f"segments); verdict: no result differing, RSS growth < {RSS_GROWTH:.0%} from the 1,000th call to the "
              "end, descriptors, threads and segments unchanged over that span and over the group cycles"]
+    if args.control:
+        notes.append("a control row runs the same draws with gloo on both sides, and its group cycles on gloo: "
+                     "the process without slipstream; its verdict does not count")
     emit(page(command, notes, _table(records)), records, args)
-    return 0 if not any(r["failed"] for r in records) else 1
+    return 0 if not any(r["failed"] for r in records if not r["control"]) else 1

@@ -8,7 +8,8 @@ kind (all-reduce with SUM, MAX or MIN, reduce-scatter, all-gather), dtype, group
 the same integer-valued inputs (in [-8, 8], so every order of summation gives the same exact
 result in every dtype) and compare the results with ``torch.equal``. Then ``--groups`` times a
 subgroup is made on the slipstream backend, used once (checked against the sum computed
-here) and destroyed.
+here) and destroyed. With ``--control`` both sides, and the group cycles, run on gloo: the same
+process without slipstream in it, whose resources tell slipstream's from the rest.
 
 The rank's resident memory, open file descriptors and threads, and the machine's slipstream
 shared-memory segments, are read at the start, after the 1,000th call, half-way, at the end of
@@ -46,16 +47,18 @@ def usage() -> dict:
             "fds": len(os.listdir("/proc/self/fd")), "segments": len(segments)}
 
 
-def _groups(world: int) -> list[tuple[str, list[int], object, object]]:
-    """(name, members, slipstream group, gloo group), the world first; every rank makes each."""
+def _groups(world: int, control: bool) -> list[tuple[str, list[int], object, object]]:
+    """(name, members, slipstream group, gloo group), the world first; every rank makes each.
+    ``control``: gloo in place of the slipstream group too."""
     members = {"world": list(range(world))}
     if world >= 4:
         members.update(first_half=list(range(world // 2)), second_half=list(range(world // 2, world)),
                        even=list(range(0, world, 2)), odd=list(range(1, world, 2)))
     made = []
     for name, ranks in members.items():
-        ours = dist.group.WORLD if name == "world" else dist.new_group(ranks)
-        made.append((name, ranks, ours, dist.new_group(ranks, backend="gloo")))
+        ours = None if control else dist.group.WORLD if name == "world" else dist.new_group(ranks)
+        gloo = dist.new_group(ranks, backend="gloo")
+        made.append((name, ranks, ours or gloo, gloo))
     return made
 
 
@@ -86,7 +89,7 @@ def _run(call: dict, group, x: torch.Tensor) -> torch.Tensor:
 
 def soak(args) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
-    groups = _groups(world)
+    groups = _groups(world, args.control)
     rng = random.Random(args.seed)  # the same draws on every rank
     snapshots = {"start": usage()}
     differ, by_kind, started = [], {}, time.perf_counter()
@@ -107,7 +110,7 @@ def soak(args) -> dict:
             snapshots["middle"] = usage()
     snapshots["end"] = usage()
     calls_s = time.perf_counter() - started
-    cycles_wrong = _group_cycles(args.groups, world, rng)
+    cycles_wrong = _group_cycles(args.groups, world, rng, "gloo" if args.control else None)
     snapshots["after_groups"] = usage()
     everyone: list = [None] * world
     dist.all_gather_object(everyone, {"rank": rank, "snapshots": snapshots, "differ": differ[:20],
@@ -117,14 +120,14 @@ def soak(args) -> dict:
             "ranks": everyone}
 
 
-def _group_cycles(n: int, world: int, rng: random.Random) -> int:
-    """``n`` subgroups made on the slipstream backend, used once, destroyed; how many gave a
-    wrong sum."""
+def _group_cycles(n: int, world: int, rng: random.Random, backend: str | None) -> int:
+    """``n`` subgroups made on ``backend`` (None: the default, slipstream), used once,
+    destroyed; how many gave a wrong sum."""
     rank, wrong = dist.get_rank(), 0
     for _ in range(n):
         members = sorted(rng.sample(range(world), rng.randint(min(2, world), world)))
         numel = 1 + rng.randrange(1 << 16)
-        group = dist.new_group(members)
+        group = dist.new_group(members, backend=backend)
         if rank in members:
             x = torch.full((numel,), float(rank + 1))
             dist.all_reduce(x, group=group)
@@ -134,5 +137,6 @@ def _group_cycles(n: int, world: int, rng: random.Random) -> int:
 
 
 if __name__ == "__main__":
-    run_worker(soak, options={"--collectives": int, "--groups": int, "--max-bytes": int, "--seed": int},
+    run_worker(soak, options={"--collectives": int, "--groups": int, "--max-bytes": int, "--seed": int,
+                              "--control": False},
                group="slipstream")
