@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["Deferred", "Deferred3", "IN_FLIGHT_BUCKETS"]
+__all__ = ["Deferred", "Deferred3", "IN_FLIGHT_BUCKETS", "STAGE3_PRIVATE", "stage3_name"]
 
 IN_FLIGHT_BUCKETS = 4
 """ZeRO-3: buckets whose reduction may be in flight at once; the oldest is waited for beyond."""
@@ -204,11 +204,20 @@ class Deferred3(_InFlight):
         optimizer.partition_grads(entry["params"], entry["partitions"])
 
 
+STAGE3_PRIVATE = ("reduce_and_partition_ipg_grads", "avg_scatter_grads")
+"""The private methods of DeepSpeed's ZeRO-3 optimizer that ``Deferred3`` calls or replaces."""
+
+
+def stage3_name(name: str) -> str:
+    """The name-mangled attribute of DeepSpeed's stage-3 private method ``__name``."""
+    return f"_DeepSpeedZeroOptimizer_Stage3__{name}"
+
+
 def _stage3(optimizer, name: str):
-    """DeepSpeed's stage-3 method ``__name`` (name-mangled) of the class, bound to ``optimizer``."""
+    """DeepSpeed's stage-3 method ``__name`` of the class, bound to ``optimizer``."""
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
-    return getattr(DeepSpeedZeroOptimizer_Stage3, f"_DeepSpeedZeroOptimizer_Stage3__{name}").__get__(optimizer)
+    return getattr(DeepSpeedZeroOptimizer_Stage3, stage3_name(name)).__get__(optimizer)
 
 
 def _issued(call):

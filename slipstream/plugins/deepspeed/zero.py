@@ -27,7 +27,7 @@ import functools
 import torch
 
 from ..._common.patch import is_patched as _is_patched, patch, uninstall_all
-from .overlap import Deferred, Deferred3
+from .overlap import STAGE3_PRIVATE, Deferred, Deferred3, stage3_name
 
 __all__ = ["patch_zero_optimizer", "patch_zero3_optimizer", "unpatch_all", "is_patched", "overlaps", "owner_layout"]
 
@@ -43,8 +43,7 @@ _DEFERRED_NEEDS = ("ipg_buckets", "reduce_ipg_grads", "average_tensor", "indepen
 _DEFERRED3_NEEDS = ("ipg_buckets", "partition_grads", "independent_gradient_partition_epilogue", "reduce_scatter",
                     "_get_param_partition_group", "all2all_process_group", "postscale_gradients", "dtype",
                     "gradient_accumulation_dtype", "enable_sanity_checks", "offload_optimizer", "offload_param")
-_STAGE3_REDUCE = "_DeepSpeedZeroOptimizer_Stage3__reduce_and_partition_ipg_grads"
-_STAGE3_PRIVATE = (_STAGE3_REDUCE, "_DeepSpeedZeroOptimizer_Stage3__avg_scatter_grads")
+_STAGE3_REDUCE = stage3_name("reduce_and_partition_ipg_grads")
 
 
 def owner_layout(numels: list[int], owners: list, world: int,
@@ -160,7 +159,7 @@ def patch_zero3_optimizer(optimizer) -> bool:
     except ImportError:  # pragma: no cover - depends on the DeepSpeed version
         return False
     if (type(optimizer) is not DeepSpeedZeroOptimizer_Stage3
-            or not all(hasattr(DeepSpeedZeroOptimizer_Stage3, n) for n in _STAGE3_PRIVATE)
+            or not all(hasattr(DeepSpeedZeroOptimizer_Stage3, n) for n in map(stage3_name, STAGE3_PRIVATE))
             or not all(hasattr(optimizer, n) for n in _DEFERRED3_NEEDS)
             or not hasattr(coalesced_collectives, "_torch_reduce_scatter_fn")):
         return False
