@@ -7,10 +7,10 @@ has passed. A round is, without ``STACK``, an all-reduce, a reduce-scatter and a
 of integer-valued float32 tensors, each result checked against the one computed here (exact:
 integer values); with ``STACK`` (``_stack_steps.STACKS``), one training step of that stack,
 its loss recorded. ``NETFAULT_ROUNDS`` caps the rounds, ``NETFAULT_PACE_S`` makes each take
-at least that long (a sleep, so a fault lands among a known number of rounds). The rank touches ``DIR/ready<rank>`` after its first round and writes
-``DIR/rank<rank>.json``: the rounds done, the results that differed, the losses, the slowest
-call or step. A collective that raises prints ``RAISED <unix time>`` and ``ERROR <type>:
-<message>`` and exits 1.
+at least that long (a sleep, so a fault lands among a known number of rounds). The rank
+touches ``DIR/ready<rank>`` after its first round and writes ``DIR/rank<rank>.json``: the
+rounds done, the results that differed, the losses, the slowest call or step. A collective
+that raises prints ``RAISED <unix time>`` and ``ERROR <type>: <message>`` and exits 1.
 """
 
 import json

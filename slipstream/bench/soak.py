@@ -74,7 +74,8 @@ def verdict(raw: dict) -> list[str]:
 
 
 def _record(layout: str, raw: dict, control: bool = False) -> dict:
-    return {"layout": layout + " (control: gloo both sides)" * control, "control": control, **{k: raw[k] for k in ("world_size", "collectives", "group_cycles", "calls_s")},
+    return {"layout": layout + " (control: gloo both sides)" * control, "control": control,
+            **{k: raw[k] for k in ("world_size", "collectives", "group_cycles", "calls_s")},
             "differ": sum(r["differ_count"] for r in raw["ranks"]),
             "cycles_wrong": sum(r["cycles_wrong"] for r in raw["ranks"]),
             "peak": {m: {f: _peak(raw, m, f) for f in ("rss_mib", "fds", "threads", "segments")} for m in _MOMENTS},
@@ -95,7 +96,7 @@ def _table(records: list[dict]) -> list[str]:
                      " / ".join(f"{peak[m]['rss_mib']:.0f}" for m in _MOMENTS),
                      " / ".join(f"{g:+.0%}" for g in r["rss_growth"]),
                      *(" / ".join(str(peak[m][f]) for m in _MOMENTS) for f in ("fds", "threads", "segments")),
-                     ("control: " if r["control"] else "") + ("pass" if not r["failed"] else "FAIL: " + "; ".join(r["failed"]))])
+                     "control: " * r["control"] + ("FAIL: " + "; ".join(r["failed"]) if r["failed"] else "pass")])
     return table(["layout", "collectives", "calls (s)", "results differing from gloo", "group cycles",
                   "RSS MiB (start / 1,000th / middle / end / after groups)", "RSS growth per rank, 1,000th to end",
                   "descriptors", "threads", "shm segments", "verdict"], "lrrrlllllll", rows)

@@ -235,7 +235,8 @@ class EmulatedCluster:
     @property
     def impair_stats(self) -> dict:
         """The impairing forwarder's counters (``_forwarder.py``): frames the nodes sent, dropped,
-        delayed, dropped for a full queue (``overflowed``); refreshed every 0.5 s."""
+        delayed, sent ahead of the delayed ones (``ahead``: reorder), dropped for a full queue
+        (``overflowed``), the most held at once; written every 0.5 s."""
         if self.spec.impair is None:
             raise RuntimeError("this cluster's links are clean (ClusterSpec.impair is None)")
         return _impair.read_stats(self._stats_path())
