@@ -1,5 +1,7 @@
 import os
+import re
 import shutil
+import subprocess
 import sys
 
 import pytest
@@ -37,3 +39,39 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="needs a CUDA device; none on this machine"))
         if "netns" in item.keywords and netns_reason:
             item.add_marker(pytest.mark.skip(reason=netns_reason))
+
+
+def _gone(pid: int) -> bool:
+    return pid != os.getpid() and not os.path.exists(f"/proc/{pid}")
+
+
+def _left_behind() -> set[str]:
+    """What the suite must never leave: slipstream's shared-memory segments and emulated
+    clusters' namespaces whose creating process is gone (or is this one), and torch extension
+    build locks."""
+    from slipstream.core_comm.collectives.segment import SHM_DIR
+    from slipstream.plugins.deepspeed.build_lock import lock_files
+
+    found = {f"build lock {path}" for path in lock_files()}
+    names = os.listdir(SHM_DIR) if os.path.isdir(SHM_DIR) else []
+    found |= {f"segment {SHM_DIR}/{n}" for n in names if (m := re.match(r"slipstream-(\d+)-", n)) and _gone(int(m[1]))}
+    if shutil.which("ip") and os.geteuid() == 0:
+        out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=60).stdout
+        found |= {f"namespace {ns}" for ns in (line.split()[0] for line in out.splitlines() if line.strip())
+                  if (m := re.match(r"slipstream-(\d+)-", ns)) and _gone(int(m[1]))}
+    return found
+
+
+def pytest_sessionstart(session):
+    session.config.stash[_BEFORE] = _left_behind()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Fail the run when it left a segment, a namespace or a build lock behind."""
+    left = _left_behind() - session.config.stash.get(_BEFORE, set())
+    if left:
+        sys.__stderr__.write("\nthe tests left behind (the run fails):\n" + "".join(f"  {x}\n" for x in sorted(left)))
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+_BEFORE = pytest.StashKey[set]()
