@@ -9,7 +9,8 @@ integer values); with ``STACK`` (``_stack_steps.STACKS``), one training step of 
 its loss recorded. ``NETFAULT_ROUNDS`` caps the rounds, ``NETFAULT_PACE_S`` makes each take
 at least that long (a sleep, so a fault lands among a known number of rounds). The rank
 touches ``DIR/ready<rank>`` after its first round and writes ``DIR/rank<rank>.json``: the
-rounds done, the results that differed, the losses, the slowest call or step. A collective
+rounds done, the results that differed, the losses, the slowest call or step, and the slowest
+round (its calls or step and the agreement to go on: a stall lands in one or the other). A collective
 that raises prints ``RAISED <unix time>`` and ``ERROR <type>: <message>`` and exits 1.
 """
 
@@ -76,12 +77,13 @@ def main(out: Path, stack: str | None) -> int:
     slipstream.enable()
     dist.init_process_group("slipstream", timeout=timedelta(seconds=60))
     rank, world = dist.get_rank(), dist.get_world_size()
-    record = {"rank": rank, "rounds": 0, "wrong": [], "slowest_s": 0.0, "losses": []}
+    record = {"rank": rank, "rounds": 0, "wrong": [], "slowest_s": 0.0, "slowest_round_s": 0.0, "losses": []}
     deadline = time.time() + LIMIT_S
     rounds, pace = int(os.environ.get("NETFAULT_ROUNDS", "0")), float(os.environ.get("NETFAULT_PACE_S", "0"))
     try:
         round_ = _collectives(rank, world) if stack is None else _training(stack)
         while True:
+            started = time.perf_counter()
             wrong, slowest, *loss = round_(record["rounds"])
             record["rounds"] += 1
             record["wrong"] += wrong
@@ -89,12 +91,14 @@ def main(out: Path, stack: str | None) -> int:
             record["slowest_s"] = max(record["slowest_s"], slowest)
             if record["rounds"] == 1:
                 (out / f"ready{rank}").touch()
-            time.sleep(max(0.0, pace - slowest))
             done = record["rounds"] == rounds or (out / "stop").exists() or time.time() > deadline
             stop = torch.tensor([float(done)])
             dist.all_reduce(stop, op=dist.ReduceOp.MAX)
+            took = time.perf_counter() - started  # the calls or the step, and the agreement to go on
+            record["slowest_round_s"] = max(record["slowest_round_s"], took)
             if stop.item():
                 break
+            time.sleep(max(0.0, pace - took))
     except Exception as e:  # noqa: BLE001 - reported to the harness
         traceback.print_exc()
         print(f"RAISED {time.time():.3f}", flush=True)
