@@ -58,7 +58,7 @@ def _groups(world: int, control: bool) -> list[tuple[str, list[int], object, obj
     for name, ranks in members.items():
         ours = None if control else dist.group.WORLD if name == "world" else dist.new_group(ranks)
         gloo = dist.new_group(ranks, backend="gloo")
-        made.append((name, ranks, ours or gloo, gloo))
+        made.append((name, ranks, gloo if control else ours, gloo))
     return made
 
 
