@@ -24,7 +24,9 @@ import select
 import struct
 import sys
 import time
+from pathlib import Path
 
+from .._common.cache import write_json
 from ._impair import Impairment, tap_names
 
 _TUNSETIFF = 0x400454CA
@@ -110,15 +112,8 @@ class _Forwarder:
                     except OSError:  # the pair's other side is down (a cut link)
                         pass
             if stats_path and time.monotonic() > next_stats:
-                _write_stats(stats_path, self.stats)
+                write_json(Path(stats_path), self.stats)
                 next_stats = time.monotonic() + _STATS_EVERY_S
-
-
-def _write_stats(path: str, stats: dict) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(stats, f)
-    os.replace(tmp, path)
 
 
 def main(argv: list[str]) -> int:

@@ -12,6 +12,9 @@ import random
 import re
 import sys
 from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from .._common.cache import read_json
 
 __all__ = ["Impairment", "command", "parse_impairment", "read_stats", "tap_names"]
 
@@ -96,5 +99,4 @@ def command(nodes: int, impair: Impairment, stats_path: str | None) -> list[str]
 
 def read_stats(path: str) -> dict:
     """The forwarder's counters as last written: frames the nodes sent, dropped, delayed..."""
-    with open(path) as f:
-        return json.load(f)
+    return read_json(Path(path))

@@ -37,6 +37,7 @@ sockets there. Automatic (ephemeral) ports start at 32768, so the default range
 from __future__ import annotations
 
 import atexit
+import glob
 import os
 import re
 import secrets
@@ -250,7 +251,8 @@ class EmulatedCluster:
             self._forwarder.kill()
             self._forwarder.wait()
             self._forwarder = None
-            for path in (self._stats_path(), self._stats_path() + ".tmp"):
+            stats = self._stats_path()  # and a temporary copy, had the forwarder been killed writing it
+            for path in (stats, *glob.glob(os.path.join(os.path.dirname(stats), f".{os.path.basename(stats)}.*.tmp"))):
                 if os.path.exists(path):
                     os.remove(path)
         while self._made:
