@@ -11,7 +11,7 @@ from ._common.version import __version__
 from ._status import status
 from .core_comm.backend.ddp_hook import DDPHookState, ddp_hook
 from .core_comm.backend.registry import register as _register
-from .core_compile.autotune.autotuner import compile, compile_report, uncompile
+from .core_compile.autotune.api import compile, compile_report, uncompile
 from .core_compile.autotune.config import CompileConfig
 from .switch import disable, enable, is_enabled
 

@@ -17,7 +17,7 @@ import torch
 import slipstream
 from _dist import from_bytes, run_ranks, to_bytes
 from slipstream import CompileConfig
-from slipstream.core_compile import CompileFallbackWarning
+from slipstream.core_compile import CompileFallbackWarning, CompileReport
 from slipstream.core_compile.autotune import strategy
 
 pytestmark = pytest.mark.skipif(
@@ -298,6 +298,100 @@ def test_the_decision_is_cached_and_a_new_shape_or_version_searches_again(tmp_pa
     assert not slipstream.compile_report(upgraded).from_cache
 
 
+
+class SlowEager(Net):
+    """Net whose eager forward sleeps 20 ms: a compiled forward (the branch is not traced) wins
+    by far more than any noise."""
+
+    def forward(self, x, y):
+        if not torch.compiler.is_compiling():
+            time.sleep(0.02)
+        return super().forward(x, y)
+
+
+def test_a_short_run_compiles_nothing_its_budget_cannot_pay_for(tmp_path):
+    eager, model = _pair()
+    batches = _batches(6)
+    ref = _train(eager, batches)
+    slipstream.compile(model, config=_cfg(tmp_path, expected_steps=6))
+    ours = _train(model, batches)
+    report = slipstream.compile_report(model)
+    by = {c.name: c for c in report.candidates}
+    # 5% of 6 steps of ~1 ms: no compile fits, so none is tried, nor the graph breaks listed
+    assert report.chosen == "eager" and report.decided_at_step == 3, report.table()
+    assert all(c.status == "skipped" for n, c in by.items() if n != "eager"), report.table()
+    assert "expected compile" in by["inductor"].reason and "expected compile" in by["regions"].reason
+    assert all(c.graphs == 0 and c.compile_s == 0 for c in by.values()) and report.graph_count is None
+    assert report.eager_step_s > 0 and report.budget_s == pytest.approx(0.05 * 6 * report.eager_step_s)
+    assert "5% of 6 steps" in report.budget_basis and "search cost" in report.table()
+    torch.testing.assert_close(ours[0], ref[0], rtol=0, atol=0)  # eager every step: the same numbers
+
+
+def test_a_decisive_winner_ends_the_search_and_goes_first_next_time(tmp_path, monkeypatch):
+    build = strategy.build
+
+    def slowed(s, eager_forward, regions):  # regions' steps take 1 s more: a loser by far, pruned
+        applied = build(s, eager_forward, regions)
+        if s.name == "regions":
+            def forward(*args, **kwargs):
+                time.sleep(1.0)
+                return eager_forward(*args, **kwargs)
+            applied.forward = forward
+        return applied
+
+    monkeypatch.setattr(strategy, "build", slowed)
+    torch.manual_seed(0)
+    eager, model = SlowEager(), SlowEager()
+    model.load_state_dict(eager.state_dict())
+    batches = _batches(16)
+    ref = _train(eager, batches)
+    cfg = _cfg(tmp_path, strategies=("regions", "inductor"), measure_rounds=5)
+    slipstream.compile(model, config=cfg)
+    ours = _train(model, batches)
+    report = slipstream.compile_report(model)
+    by = {c.name: c for c in report.candidates}
+    # every compiled step beat every eager one by far more than 1.05x: decided after two rounds of five
+    assert report.chosen == "inductor" and len(by["inductor"].step_s) == 2, report.table()
+    assert "not timed further" in by["regions"].reason, report.table()
+    assert report.break_even_step() is not None and report.break_even_step() >= report.decided_at_step
+    _close(ours, ref)
+
+    _, again = _pair()  # a new shape: no decision cached, but the model's record is
+    again.__class__ = SlowEager
+    slipstream.compile(again, config=cfg)
+    _train(again, _batches(4, lengths=(20,)))
+    by = {c.name: c for c in slipstream.compile_report(again).candidates}
+    assert not slipstream.compile_report(again).from_cache
+    assert "last winner" in by["inductor"].reason, by
+    assert by["regions"].status == "skipped" and "(cache)" in by["regions"].reason, by
+
+
+def test_the_cost_and_the_step_that_pays_it_back():
+    from slipstream.core_compile.autotune.config import Candidate
+
+    report = CompileReport(module="m", chosen="inductor", decided_at_step=11, search_s=20.0, search_steps=10,
+                           eager_step_s=1.0, expected_steps=200, budget_s=30.0, budget_basis="test",
+                           candidates=[Candidate("eager"), Candidate("inductor", raw_s=[0.5, 0.4, 0.6])])
+    assert report.overhead_s() == 10.0  # 20 s for 10 steps eager takes 10 s over
+    assert report.break_even_step() == 11 + 20  # 0.5 s a step earned back
+    assert "pays for itself at step 31 of 200" in report.cost_line()
+    report.chosen = "eager"
+    assert report.break_even_step() is None and "not earned back" in report.cost_line()
+
+
+def test_the_stacks_run_length_sets_the_budget_unless_the_user_did():
+    from slipstream.plugins.deepspeed.translate import run_length
+
+    assert CompileConfig().with_run_length(200).expected_steps == 200
+    assert CompileConfig(expected_steps=50).with_run_length(200).expected_steps == 50  # the user's holds
+    for unknown in (None, 0, -1, 2.5, True, "200"):
+        assert CompileConfig().with_run_length(unknown).expected_steps is None
+    ds = {"scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 300, "warmup_num_steps": 10}}}
+    assert run_length(ds) == 300
+    for no in ({}, {"scheduler": {"type": "WarmupLR", "params": {}}}, {"scheduler": None},
+               {"scheduler": {"params": {"total_num_steps": "auto"}}}):
+        assert run_length(no) is None
+
 class Breaks(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -336,6 +430,8 @@ def test_uncompile_restores_the_forward_and_compile_is_idempotent(tmp_path):
     (dict(budget_s=0), "budget_s"), (dict(measure_rounds=0), "measure_rounds"),
     (dict(min_speedup=0.9), "min_speedup"), (dict(strategies=("fast",)), "unknown compile strategy 'fast'"),
     (dict(strategy="turbo"), "unknown compile strategy 'turbo'"), (dict(check_every=-1), "check_every"),
+    (dict(expected_steps=0), "expected_steps"), (dict(expected_steps=2.5), "expected_steps"),
+    (dict(budget_share=0), "budget_share"), (dict(budget_share=1.5), "budget_share"),
 ])
 def test_bad_settings_are_refused_by_name(bad, match):
     with pytest.raises(ValueError, match=match):

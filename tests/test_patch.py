@@ -78,7 +78,7 @@ def test_an_instance_patch_does_not_keep_the_instance_alive():
 
 def test_disable_undoes_a_compiled_models_forward_and_status_lists_it():
     import slipstream
-    from slipstream.core_compile.autotune.autotuner import is_compiled
+    from slipstream.core_compile.autotune.api import is_compiled
 
     model = torch.nn.Linear(4, 4)
     slipstream.compile(model, config=slipstream.CompileConfig(strategy="eager", verbose=False))
@@ -91,7 +91,7 @@ def test_disable_undoes_a_compiled_models_forward_and_status_lists_it():
 def test_compile_stacks_over_the_varlen_pass_and_disable_undoes_both_newest_first():
     import slipstream
     from slipstream.core_compile import apply_varlen, is_varlen_patched
-    from slipstream.core_compile.autotune.autotuner import is_compiled
+    from slipstream.core_compile.autotune.api import is_compiled
     from slipstream.recipes.model import build_model
 
     model = build_model("llama-tiny", vocab_size=128, seed=0)

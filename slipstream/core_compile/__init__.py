@@ -13,7 +13,7 @@ Apply the pass, collate flat, normalise the loss per step::
 """
 
 from .varlen.attention import BACKENDS, available_backends, varlen_attention
-from .autotune.autotuner import compile, compile_report, uncompile
+from .autotune.api import compile, compile_report, uncompile
 from .autotune.config import CompileConfig, CompileFallbackWarning, CompileReport
 from .varlen.collator import CollatorConfig, FlattenCollator, best_fit_decreasing
 from .varlen.loss import GradReduction, count_target_tokens, global_token_count, step_loss, sum_cross_entropy

@@ -52,9 +52,9 @@ def train(args) -> dict:
 
         fsdp.apply(model)
         if args.compile:
-            from ..core_compile import compile as compile_
+            from ..core_compile import CompileConfig, compile as compile_
 
-            compile_(model)  # after fully_shard: its hook-free regions
+            compile_(model, config=CompileConfig(expected_steps=args.steps))  # after fully_shard: its hook-free regions
     _time_comms(model, timer)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     reduction = grad_reduction()

@@ -1,4 +1,5 @@
 """``slipstream.compile``: the compile strategy chosen by measurement on the first real steps
-(``autotuner``), its settings and report (``config``), the candidates (``strategy``), the check
+(``autotuner``; ``api`` puts it in a model's ``forward``), what the search may spend
+(``budget``), its settings and report (``config``), the candidates (``strategy``), the check
 against eager (``check``), graph breaks and recompiles (``diagnose``) and the decision cache
 (``cache``)."""

@@ -1,59 +1,56 @@
-"""``slipstream.compile``: the compile strategy chosen by measurement on the first real steps.
+"""The ``Autotuner``: the compile strategy chosen by measurement on the first real steps.
 
-The model's ``forward`` becomes an ``Autotuner`` (an instance attribute; ``uncompile`` removes
-it). Each call is one training step; the time between two calls is the step's time, backward
-and optimizer included. The search, on the user's own batches:
+The model's ``forward`` becomes an ``Autotuner`` (``api.compile``). Each call is one training
+step; the time between two calls is the step's time, backward and optimizer included. The
+search, on the user's own batches, at a cost bounded by ``budget`` (a share of the run when
+its length is known):
 
-1. the first step runs eagerly, and ``torch._dynamo.explain`` lists the graph breaks;
-2. from the second step (by then it is known whether the batches change shape: if they do,
-   static graphs are skipped and the default shape policy is measured as its dynamic variant),
-   each candidate (``strategy.candidates``) is compiled and checked against eager on the
+1. the first step runs eagerly; with ``expected_steps``, the second too, timed: eager's step
+   time sets the budget. Strategies that lost for this model here before are skipped and its
+   last winner goes first (``budget.Priors``, when every rank read the same);
+2. then (by then it is known whether the batches change shape: if they do, static graphs are
+   skipped and the default shape policy is measured as its dynamic variant) each candidate
+   (``strategy.candidates``) whose expected compile time fits in what is left of the budget is
+   compiled (the graph breaks are listed before the first) and checked against eager on the
    step's batch (``check.compare``: loss and gradients), then runs ``warmup_steps`` steps;
-   the candidates measured stop when ``budget_s`` is spent;
-3. the survivors, eager included, take turns for ``measure_rounds`` rounds of timed steps
-   (interleaved, so a slow spell of the machine hits all of them); each step's time is divided
-   by its batch's elements (lengths vary); a candidate whose fastest step is over twice
-   eager's after two rounds is not timed further; the fastest median wins if it beats eager by
-   ``min_speedup``, else eager does. Under ``torch.distributed`` the ranks agree on every
-   choice (one all-reduce per candidate), so they compile and stop alike.
+3. the survivors, eager included, take turns for up to ``measure_rounds`` rounds of timed
+   steps (interleaved, so a slow spell of the machine hits all of them); each step's time is
+   divided by its batch's elements (lengths vary). From round two, a candidate the steps so far
+   decide against is not timed further, and the search stops as soon as the rest is decided
+   (``_prune``); the fastest median wins if it beats eager by ``min_speedup``, else eager does.
+   Under ``torch.distributed`` the ranks agree on every choice (one all-reduce per decision),
+   so they compile and stop alike.
 
 After the choice, any error in a compiled call, more than ``max_recompiles`` new graphs, or a
 mismatch at a periodic check (``check_every``) puts the model back on eager for good, with one
 warning saying why; the failing step is rerun eagerly, so the run goes on with eager numbers.
-The choice is cached on disk (``compile_cache``); a run with the same model, shapes, device and
+The choice is cached on disk (``cache``); a run with the same model, shapes, device and
 versions skips the search and says so.
 """
-
 from __future__ import annotations
 
+import statistics
 import sys
 import time
 import warnings
-import weakref
 from collections import deque
 from pathlib import Path
 
 import torch
 
-from ..._common.patch import change, forget
 from . import cache as compile_cache
-from . import check, diagnose, strategy
+from . import budget, check, diagnose, strategy
 from .agree import agree, rank
 from .config import Candidate, CompileConfig, CompileFallbackWarning, CompileReport
 
-__all__ = ["compile", "compile_report", "uncompile"]
+__all__ = ["MARKER", "Autotuner"]
 
-_MARKER = "_slipstream_autotuner"
+MARKER = "_slipstream_autotuner"
 # Dynamo counts every compiled variant of a code object against one limit (8), and the
 # candidates share the model's code objects: measured strategies must not crowd each other out.
 _RECOMPILE_LIMIT = 64
 # a candidate whose fastest timed step is this many times eager's is not timed further
 PRUNE_FACTOR = 2.0
-
-
-def _target(model: torch.nn.Module) -> torch.nn.Module:
-    """The module whose forward is tuned: DDP's inner module, else the model itself."""
-    return model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
 
 
 def _why(e: BaseException) -> str:
@@ -100,7 +97,12 @@ class Autotuner:
         self.regions: list = []
         self.hooked = False  # set at the first step: a stack may wrap the model after compile()
         self.key: dict | None = None
-        setattr(self, _MARKER, True)
+        self.priors = budget.Priors()
+        self.modules: dict[str, tuple] = {}  # name -> (scope, modules it compiles)
+        self.budget: float | None = None
+        self.probe: float | None = None  # start of the eager step that times eager before the search
+        self.listed = False
+        setattr(self, MARKER, True)
 
     # ------------------------------------------------------------------ the step
     def __call__(self, *args, **kwargs):
@@ -111,6 +113,8 @@ class Autotuner:
             self.by_name[name].step_s.append((now - start) / units)
             self.report.units.append(units)
             self.timed = None
+        if self.probe is not None:
+            self.report.eager_step_s, self.probe = now - self.probe, None
         self.step += 1
         if self.phase == "start":
             self.search_start = now
@@ -139,21 +143,44 @@ class Autotuner:
                 self._choose(entry["chosen"], verify=True)
                 self._say()
                 return
-        if self.config.graph_breaks and self.report.graph_count is None:  # not listed from compile()'s example
-            self._graph_breaks(args, kwargs)
         if self.config.strategy is not None:
             self._choose(self.config.strategy, verify=True)
             self.by_name[self.config.strategy].reason = "named by CompileConfig.strategy: no search"
             return
+        self.report.expected_steps = self.config.expected_steps
         for s in strategy.candidates(device.type, names=self.config.strategies, max_autotune=self.config.max_autotune,
                                      has_regions=bool(self.regions), has_hooks=self.hooked):
             self.by_name[s.name] = Candidate(s.name)
             if s.compiled:
                 self.pending.append(s)
+                self.modules[s.name] = (s.scope, budget.compiled_modules(self.module, s, self.regions))
         self.report.candidates = list(self.by_name.values())
+        self._apply_priors()
         self.by_name["eager"].status = "measured"
         self.survivors = ["eager"]
         self.phase = "search"
+
+    def _apply_priors(self) -> None:
+        """Skip what lost for this model here before; measure its last winner first. Only when
+        every rank read the same priors (one all-reduce), so that the ranks search alike."""
+        if self.key is None:
+            return
+        priors = budget.load_priors(self._cache_dir(), self.key)
+        names = [s.name for s in self.pending]
+        lost = [priors.lost(n, self.config.min_speedup) for n in names]
+        mine = [float(why is not None) for why in lost] + [float(n == priors.winner) for n in names]
+        agreed = agree(self.group, mine + [-v for v in mine])
+        if agreed[:len(mine)] != [-v for v in agreed[len(mine):]]:
+            return  # the ranks' caches differ: no priors, the full search
+        self.priors = priors
+        for s, why in zip(list(self.pending), lost):
+            if why:
+                self.pending.remove(s)
+                self.by_name[s.name].status, self.by_name[s.name].reason = "skipped", why
+            elif s.name == priors.winner:
+                self.pending.remove(s)
+                self.pending.appendleft(s)
+                self.by_name[s.name].reason = "the last winner for this model here (cache): measured first"
 
     def _graph_breaks(self, args, kwargs) -> None:
         try:
@@ -173,18 +200,23 @@ class Autotuner:
             return self._call(self.active, args, kwargs)
         if self.step == 1 and self.pending:  # the first candidate waits a step: has the shape changed by then?
             return self.eager(*args, **kwargs)
+        if self.step == 2 and self.pending and self.config.expected_steps:  # eager's step, for the budget
+            self.probe = now
+            return self.eager(*args, **kwargs)
         while self.pending:
             s = self.pending.popleft()
             why = self._shape_policy_skip(s) if self.config.strategies is None else None
             if why:
                 self.by_name[s.name].status, self.by_name[s.name].reason = "skipped", why
                 continue
-            if agree(self.group, [time.perf_counter() - self.search_start])[0] > self.config.budget_s:
-                for skipped in [s, *self.pending]:
-                    self.by_name[skipped.name].status = "skipped"
-                    self.by_name[skipped.name].reason = f"search budget of {self.config.budget_s:g} s spent"
-                self.pending.clear()
-                break
+            why = self._over_budget(s)
+            if why:
+                self.by_name[s.name].status, self.by_name[s.name].reason = "skipped", why
+                continue
+            if self.config.graph_breaks and not self.listed:  # listed once a compile is worth its cost
+                self.listed = True
+                if self.report.graph_count is None:  # not listed from compile()'s example
+                    self._graph_breaks(args, kwargs)
             ok = self._try(s, args, kwargs)
             if agree(self.group, [0.0 if ok else 1.0])[0] == 0.0:
                 self.survivors.append(s.name)
@@ -196,10 +228,11 @@ class Autotuner:
                 self.by_name[s.name].reason = "failed its check on another rank"
             self.built.pop(s.name, None)
         timed = [n for n in self.survivors if len(self.by_name[n].step_s) < self.config.measure_rounds]
+        decided = False
         if timed and len(timed) == len(self.survivors) and len(self.survivors) > 1:
-            self._prune()  # a round is complete
+            decided = self._prune()  # a round is complete
             timed = [n for n in timed if n in self.survivors]
-        if not timed or len(self.survivors) == 1:
+        if decided or not timed or len(self.survivors) == 1:
             self._decide()
             return self._run_chosen(args, kwargs)
         name = min(timed, key=lambda n: len(self.by_name[n].step_s))
@@ -223,6 +256,23 @@ class Autotuner:
             return "batch shapes change: a static graph recompiles at each"
         return f"batch shapes change: measured as {variant.name}, the graph it recompiles into"
 
+    def _over_budget(self, s: strategy.Strategy) -> str | None:
+        """Why ``s`` is not compiled: its expected compile time does not fit in what is left of
+        the budget (the ranks agree on the most any of them has spent and expects), or None."""
+        if self.budget is None:
+            eager = agree(self.group, [self.report.eager_step_s or 0.0], mean=True)[0] or None
+            self.report.eager_step_s = eager
+            self.budget, self.report.budget_basis = budget.search_budget(self.config, eager)
+            self.report.budget_s = self.budget
+        expected, source = self.priors.compile_s(s, self.modules[s.name][1])
+        elapsed = time.perf_counter() - self.search_start
+        spent, expected = agree(self.group, [elapsed - (self.step - 1) * (self.report.eager_step_s or 0.0), expected])
+        spent = max(spent, 0.0)
+        if spent + expected <= self.budget:
+            return None
+        return (f"expected compile {expected:.3g} s ({source}); {self.budget - min(spent, self.budget):.3g} s "
+                f"of the {self.budget:.3g} s budget left")
+
     def _try(self, s: strategy.Strategy, args, kwargs) -> bool:
         """Compile ``s`` and check it against eager on this batch."""
         cand = self.by_name[s.name]
@@ -242,21 +292,36 @@ class Autotuner:
         cand.status = "measured"
         return True
 
-    def _prune(self) -> None:
-        """After two or more complete rounds of timed steps: stop timing the candidates whose
-        fastest step so far is over ``PRUNE_FACTOR`` times eager's (the ranks agree on their
-        mean). Two: one step may have recompiled for a new shape."""
+    def _prune(self) -> bool:
+        """After two or more complete rounds of timed steps (one step may have recompiled for a
+        new shape), stop timing each candidate the steps so far decide against: its fastest step
+        over ``PRUNE_FACTOR`` times eager's fastest, or not ``min_speedup`` times faster than
+        eager's slowest (its median cannot win). Returns True when the rest is decided too: one
+        candidate's slowest step is ``min_speedup`` times faster than eager's fastest and faster
+        than every other's fastest. The ranks agree on the mean of each figure."""
         rounds = len(self.by_name["eager"].step_s)
         if rounds < 2 or any(len(self.by_name[n].step_s) != rounds for n in self.survivors):
-            return
-        best = agree(self.group, [min(self.by_name[n].step_s) for n in self.survivors], mean=True)
-        eager = best[self.survivors.index("eager")]
-        for name, b in list(zip(self.survivors, best)):
-            if name != "eager" and b > PRUNE_FACTOR * eager:
-                self.survivors.remove(name)
-                self.by_name[name].reason = (f"{b / eager:.1f}x eager's step time after {rounds} timed "
-                                             f"step{'s' * (rounds > 1)}: not timed further")
-                self.built.pop(name).deactivate()
+            return False
+        n = len(self.survivors)
+        agreed = agree(self.group, [min(self.by_name[k].step_s) for k in self.survivors]
+                       + [max(self.by_name[k].step_s) for k in self.survivors], mean=True)
+        fastest, slowest = dict(zip(self.survivors, agreed[:n])), dict(zip(self.survivors, agreed[n:]))
+        margin, steps = self.config.min_speedup, f"{rounds} timed steps"
+        for name in [k for k in self.survivors if k != "eager"]:
+            if fastest[name] > PRUNE_FACTOR * fastest["eager"]:
+                why = f"{fastest[name] / fastest['eager']:.1f}x eager's step time after {steps}: not timed further"
+            elif fastest[name] * margin >= slowest["eager"]:
+                why = f"after {steps} its fastest is not {margin:g}x faster than eager's slowest: it cannot win"
+            else:
+                continue
+            self.survivors.remove(name)
+            self.by_name[name].reason = why
+            self.built.pop(name).deactivate()
+        left = [k for k in self.survivors if k != "eager"]
+        if not left:
+            return False
+        lead = min(left, key=lambda k: slowest[k])
+        return slowest[lead] * margin < fastest["eager"] and all(slowest[lead] < fastest[k] for k in left if k != lead)
 
     def _decide(self) -> None:
         names = [c.name for c in self.report.candidates]
@@ -271,10 +336,13 @@ class Autotuner:
             self.by_name["eager"].reason = f"no candidate beat eager by {self.config.min_speedup:g}x"
         self.report.search_s = time.perf_counter() - self.search_start
         self.report.search_steps = self.step - 1
+        if self.by_name["eager"].raw_s:
+            self.report.eager_step_s = statistics.median(self.by_name["eager"].raw_s)
         self._choose(chosen)
         if self.key is not None:
             path = compile_cache.store(self._cache_dir(), self.key, {"chosen": chosen, "report": self.report.to_dict()})
             self.report.cache_file = str(path) if path else None
+            budget.store_priors(self._cache_dir(), self.key, self.report, self.modules)
         self._say()
 
     def _say(self) -> None:
@@ -362,57 +430,3 @@ class Autotuner:
         loss only where the model's modules carry hooks (``check.compare``)."""
         check.compare(self.module, self.eager, lambda *a, **k: self._call(name, a, k), args, kwargs,
                       gradients=not self.hooked)
-
-
-def compile(model: torch.nn.Module, example=None, *, config: CompileConfig | None = None,
-            group=None) -> torch.nn.Module:
-    """Tune ``model``'s forward by measurement on its first training steps (module docstring).
-
-    Returns ``model`` itself, its ``forward`` replaced (state dict and parameters unchanged).
-    ``model`` may be DDP-wrapped (its inner module is tuned), an FSDP2 or DeepSpeed module (the
-    hook-free regions are compiled). ``example``: a batch (a tuple of arguments or a dict of
-    keyword arguments) to list graph breaks with now, before training. ``group``: the process
-    group whose ranks agree on the choice (None: the world, when initialised). Idempotent."""
-    config = CompileConfig() if config is None else config
-    if not isinstance(config, CompileConfig):
-        raise TypeError(f"config must be a CompileConfig, got {type(config).__name__}")
-    module = _target(model)
-    if not config.enabled or is_compiled(module):
-        return model
-    tuner = Autotuner(module, config, group)
-    if example is not None and config.graph_breaks:
-        if isinstance(example, dict):
-            args, kwargs = (), dict(example)
-        else:
-            args, kwargs = tuple(example) if isinstance(example, (tuple, list)) else (example,), {}
-        tuner._graph_breaks(args, kwargs)
-    module.forward = tuner
-    ref = weakref.ref(module)
-    change(("compile", id(module)), f"{type(module).__name__}.forward: slipstream.compile's autotuner",
-           lambda: ref() is not None and uncompile(ref()), owner="compile", target=module)
-    return model
-
-
-def is_compiled(model: torch.nn.Module) -> bool:
-    return getattr(vars(_target(model)).get("forward"), _MARKER, False)
-
-
-def compile_report(model: torch.nn.Module) -> CompileReport | None:
-    """What ``compile`` measured and chose for ``model`` (None if it was not compiled)."""
-    tuner = vars(_target(model)).get("forward")
-    return tuner.report if getattr(tuner, _MARKER, False) else None
-
-
-def uncompile(model: torch.nn.Module) -> None:
-    """Undo ``compile``: the model's forward is what it was before (no-op if not compiled)."""
-    module = _target(model)
-    tuner = vars(module).get("forward")
-    if not getattr(tuner, _MARKER, False):
-        return
-    forget(("compile", id(module)))
-    for applied in tuner.built.values():
-        applied.deactivate()
-    if tuner.previous is None:
-        del module.forward
-    else:
-        module.forward = tuner.previous

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import statistics
 from dataclasses import dataclass, field
 
@@ -24,9 +26,15 @@ class CompileConfig(Settings):
     strategy: str | None = None
     """Skip the search and use this strategy (still checked against eager at the first step,
     still put back on eager on any failure)."""
+    expected_steps: int | None = None
+    """Steps in the whole run. The stacks fill it in when they know it (``finetune --steps``,
+    Megatron's ``--train-iters``, DeepSpeed's scheduler ``total_num_steps``); with it the
+    search costs at most ``budget_share`` of the run (``budget``)."""
+    budget_share: float = 0.05
+    """Share of the run (``expected_steps`` x eager's step time) the search may cost."""
     budget_s: float = 600.0
-    """Wall seconds of search (compiling, checking, warm-up) before the remaining candidates
-    are skipped; the timed rounds that follow add ``measure_rounds`` steps per survivor."""
+    """Most seconds the search may cost, whatever the run's length (the budget when it is not
+    known). A candidate whose expected compile time does not fit in what is left is skipped."""
     warmup_steps: int = 1
     """Untimed steps of each candidate after its check (a first shape change recompiles)."""
     measure_rounds: int = 5
@@ -51,6 +59,11 @@ class CompileConfig(Settings):
     def __post_init__(self) -> None:
         if self.budget_s <= 0:
             raise ValueError(f"budget_s must be > 0, got {self.budget_s}")
+        if not 0 < self.budget_share <= 1:
+            raise ValueError(f"budget_share must be in (0, 1], got {self.budget_share}")
+        if self.expected_steps is not None and (isinstance(self.expected_steps, bool)
+                                                or not isinstance(self.expected_steps, int) or self.expected_steps < 1):
+            raise ValueError(f"expected_steps must be a whole number >= 1 or None, got {self.expected_steps!r}")
         for name in ("warmup_steps", "max_recompiles", "check_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -64,6 +77,13 @@ class CompileConfig(Settings):
         if self.strategies is not None:
             object.__setattr__(self, "strategies", tuple(self.strategies))
             strategy.candidates("cpu", names=self.strategies)  # unknown names refused here
+
+    def with_run_length(self, steps) -> "CompileConfig":
+        """This config with ``expected_steps=steps`` when the user set none and ``steps`` (the
+        stack's run length) is a whole number >= 1; else this config."""
+        if self.expected_steps is not None or isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            return self
+        return dataclasses.replace(self, expected_steps=steps)
 
 
 @dataclass
@@ -105,6 +125,12 @@ class CompileReport:
     cache_file: str | None = None
     units: list = field(default_factory=list)
     """Elements of each timed step's batch."""
+    expected_steps: int | None = None
+    budget_s: float | None = None
+    """What the search could cost (``budget.search_budget``), and ``budget_basis`` how it was set."""
+    budget_basis: str = ""
+    eager_step_s: float | None = None
+    """Eager's seconds per step: its median in the timed rounds, else the run's second step."""
 
     def step_ms(self, name: str) -> float | None:
         """``name``'s median step time per element (the ranks' mean), scaled to the median
@@ -121,17 +147,46 @@ class CompileReport:
         return by["eager"].compared() / by[name].compared()
 
     def overhead_s(self) -> float:
-        """Search time beyond what the same steps take with the chosen strategy."""
+        """What the search cost: its time beyond what the same steps take eagerly."""
+        return max(self.search_s - self.search_steps * (self.eager_step_s or 0.0), 0.0)
+
+    def chosen_step_s(self) -> float | None:
+        """The chosen strategy's seconds per step in the timed rounds (eager's if it is eager)."""
         by = {c.name: c for c in self.candidates}
         chosen = by.get(self.chosen)
-        per_step = statistics.median(chosen.raw_s) if chosen is not None and chosen.raw_s else 0.0
-        return max(self.search_s - self.search_steps * per_step, 0.0)
+        if self.chosen == "eager" or chosen is None or not chosen.raw_s:
+            return self.eager_step_s
+        return statistics.median(chosen.raw_s)
+
+    def break_even_step(self) -> int | None:
+        """The step by which the chosen strategy's faster steps have paid for the search; None
+        when they never do (eager chosen after a search that cost anything) or nothing is known."""
+        chosen, eager = self.chosen_step_s(), self.eager_step_s
+        if self.decided_at_step is None or chosen is None or eager is None:
+            return None
+        cost = self.overhead_s()
+        if cost == 0:
+            return self.decided_at_step
+        return self.decided_at_step + math.ceil(cost / (eager - chosen)) if chosen < eager else None
+
+    def cost_line(self) -> str:
+        """What the search cost against its budget, and what it earns over the run."""
+        budget = f" of a {self.budget_s:.1f} s budget ({self.budget_basis})" if self.budget_s is not None else ""
+        line = f"search cost {self.overhead_s():.1f} s{budget}"
+        even = self.break_even_step()
+        if self.chosen != "eager" and even is not None:
+            line += f"; pays for itself at step {even}"
+            if self.expected_steps:
+                line += f" of {self.expected_steps}" + (" (not within the run)" if even > self.expected_steps else "")
+        elif self.overhead_s() > 0:
+            line += "; not earned back (eager chosen)" if self.chosen == "eager" else "; not earned back"
+        return line
 
     def table(self) -> str:
         head = f"slipstream.compile {self.module}: " + (
             f"{self.chosen} (from the cache {self.cache_file}; no search)" if self.from_cache
             else f"{self.chosen}, chosen at step {self.decided_at_step} after a {self.search_s:.1f} s search "
-                 f"({self.overhead_s():.1f} s more than {self.search_steps} steps of {self.chosen})")
+                 f"({self.overhead_s():.1f} s more than {self.search_steps} steps of eager)")
         rows = ["| strategy | status | step ms | vs eager | compile s | graphs | note |",
                 "|---|---|---:|---:|---:|---:|---|"]
         for c in self.candidates:
@@ -139,7 +194,7 @@ class CompileReport:
             sp = self.speedup(c.name)
             rows.append(f"| {c.name} | {c.status} | {ms} | {f'{sp:.2f}x' if sp else '-'} | {c.compile_s:.1f} "
                         f"| {c.graphs} | {c.reason} |")
-        lines = [head, *rows]
+        lines = [head, self.cost_line(), *rows]
         if self.graph_count is not None:
             lines.append(f"graphs per step: {self.graph_count}; graph breaks: {len(self.graph_breaks)}")
             lines += [f"  - {b.where}: {b.reason}" for b in self.graph_breaks[:10]]
@@ -155,6 +210,9 @@ class CompileReport:
             "module": self.module, "chosen": self.chosen, "from_cache": self.from_cache,
             "decided_at_step": self.decided_at_step, "search_s": self.search_s, "search_steps": self.search_steps,
             "overhead_s": self.overhead_s(), "fallback": self.fallback, "cache_file": self.cache_file,
+            "expected_steps": self.expected_steps, "budget_s": self.budget_s, "budget_basis": self.budget_basis,
+            "eager_step_s": self.eager_step_s, "chosen_step_s": self.chosen_step_s(),
+            "break_even_step": self.break_even_step(),
             "graph_count": self.graph_count,
             "graph_breaks": [{"reason": b.reason, "where": b.where} for b in self.graph_breaks],
             "recompiles": self.recompiles, "recompile_reasons": list(self.recompile_reasons),

@@ -22,7 +22,7 @@ from ..._common.patch import patch, unpatch
 from ...core_comm.tuner import load_plan
 from . import build_lock
 from .comm_backend import install_comm
-from .translate import zero_buckets
+from .translate import run_length, zero_buckets
 from .zero import overlaps, patch_zero3_optimizer, patch_zero_optimizer
 
 __all__ = ["initialize", "install", "uninstall", "load_ds_config", "bucket_defaults"]
@@ -100,7 +100,8 @@ def _set_up(original, args, kwargs):
         warn_once("compile: skipped under ZeRO-3 (its layers gather parameters in hooks; they stay eager)")
         compiled = False
     else:
-        compiled = compile_model(result[0].module, settings)  # DeepSpeed's hooks: the hook-free regions
+        # DeepSpeed's hooks: the hook-free regions; the search's budget a share of the run, if stated
+        compiled = compile_model(result[0].module, settings, steps=run_length(ds_config))
     owners = patch_zero_optimizer(result[0].optimizer, overlap=settings.comm.overlap)
     if stage == 3 and settings.comm.overlap:
         patch_zero3_optimizer(result[0].optimizer)

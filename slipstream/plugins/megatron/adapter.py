@@ -95,7 +95,7 @@ def read_arguments(args: argparse.Namespace) -> tuple[bool, "SlipstreamConfig | 
 
         compile_config = dataclasses.replace(compile_config or CompileConfig(), enabled=True)
     if compile_config is not None and compile_config.enabled:
-        enable_compile(compile_config)
+        enable_compile(compile_config.with_run_length(getattr(args, "train_iters", None)))
     return on, settings
 
 

@@ -1,0 +1,127 @@
+"""What the compile search may spend, in the run's own terms, and what each candidate is
+expected to cost before it is compiled.
+
+- **The budget.** With ``CompileConfig.expected_steps`` (the stack's or the user's run length),
+  the search may cost at most ``budget_share`` of the run: that share of ``expected_steps``
+  times eager's step time, measured on the run's own second step; ``budget_s`` caps it. Without
+  a run length, ``budget_s`` alone. The cost is what the search's steps take beyond the same
+  steps of eager: compiling, checking, warming up, and the timed steps of a slower candidate.
+- **The expected compile time** of a candidate, before it is compiled, from the first of:
+  this model's own compile of that strategy on this machine (any batch shape, the ``family``
+  record); the seconds per compiled module of any model compiled on this machine (the
+  ``machine`` record); ``DEFAULT_S_PER_MODULE``. A candidate whose expected time does not fit
+  in what is left of the budget is skipped, saying so.
+- **The priors** from the family record: strategies that lost for this model on this machine
+  are skipped; the last winner is measured first.
+
+The records live next to the decisions (``cache``), keyed like them less the batch's shapes
+(family) or less the model too (machine).
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from . import cache as compile_cache
+from .strategy import Strategy
+
+__all__ = ["DEFAULT_S_PER_MODULE", "Priors", "compiled_modules", "load_priors", "search_budget", "store_priors"]
+
+DEFAULT_S_PER_MODULE = {"model": 0.5, "regions": 1.6}
+"""Seconds of compile and check per compiled module (``compiled_modules``) before anything was
+compiled on this machine: the medians of cold compiles measured on a 2-core x86 machine
+(benchmarks/results/compile_epyc-2core-kvm_2026-11-24.md): the whole model 0.39 (ResNet-50),
+0.49 (BERT-mini), 0.93 s (llama-20m, dynamic); the regions, counted once per block class,
+0.4 (BERT), 1.6 (llama), 3.9 s (ResNet-50: its stages' shapes recompile the block)."""
+MACHINE_SAMPLES = 8
+"""Rates kept per scope in the machine record (the median is used)."""
+
+
+def search_budget(config, eager_step_s: float | None) -> tuple[float, str]:
+    """(seconds the search may cost, how that was set)."""
+    if config.expected_steps is None or eager_step_s is None:
+        return config.budget_s, f"budget_s={config.budget_s:g} (the run's length is not known)"
+    share = config.budget_share * config.expected_steps * eager_step_s
+    basis = (f"{100 * config.budget_share:g}% of {config.expected_steps} steps of {eager_step_s:.3g} s "
+             f"(eager's)")
+    return (share, basis) if share <= config.budget_s else (config.budget_s, f"budget_s={config.budget_s:g}, "
+                                                                            f"under {basis}")
+
+
+def _leaves(module: torch.nn.Module) -> int:
+    return sum(1 for m in module.modules() if next(m.children(), None) is None)
+
+
+def compiled_modules(model: torch.nn.Module, s: Strategy, regions: list) -> int:
+    """The modules ``s`` compiles: every leaf module of the model, or for regions the leaves of
+    one region of each class (identical blocks share their graphs)."""
+    if s.scope == "model":
+        return _leaves(model)
+    one_per_class = {type(r): r for r in regions}
+    return sum(_leaves(r) for r in one_per_class.values())
+
+
+@dataclass
+class Priors:
+    family: dict = field(default_factory=dict)
+    """name -> {"compile_s", "speedup", "status"}: this model's earlier search on this machine."""
+    winner: str | None = None
+    rates: dict = field(default_factory=dict)
+    """scope -> [seconds per compiled module, ...]: any model's compiles on this machine."""
+
+    def compile_s(self, s: Strategy, modules: int) -> tuple[float, str]:
+        """(expected seconds to compile and check ``s``, where the figure comes from)."""
+        seen = self.family.get(s.name, {})
+        if seen.get("compile_s"):
+            return seen["compile_s"], "this model's compile on this machine"
+        if self.rates.get(s.scope):
+            rate = statistics.median(self.rates[s.scope])
+            return rate * modules, f"{modules} modules x {rate:.2f} s, as compiled on this machine"
+        rate = DEFAULT_S_PER_MODULE[s.scope]
+        return rate * modules, f"{modules} modules x {rate:.2f} s, the default (nothing compiled here yet)"
+
+    def lost(self, name: str, min_speedup: float) -> str | None:
+        """Why ``name`` is not worth measuring again for this model here, or None."""
+        seen = self.family.get(name)
+        if not seen or name == self.winner:
+            return None
+        if seen.get("status") in ("failed", "rejected"):
+            return f"{seen['status']} for this model on this machine before (cache)"
+        speedup = seen.get("speedup")
+        if speedup is not None and speedup < min_speedup:
+            return f"{speedup:.2f}x eager for this model on this machine before, under {min_speedup:g}x (cache)"
+        return None
+
+
+def _family_key(key: dict) -> dict:
+    return {**{k: v for k, v in key.items() if k != "inputs"}, "record": "family"}
+
+
+def _machine_key(key: dict) -> dict:
+    return {**{k: v for k, v in key.items() if k not in ("inputs", "model", "strategies")},
+            "model_class": "machine", "record": "machine"}
+
+
+def load_priors(directory: Path, key: dict) -> Priors:
+    family = compile_cache.load(directory, _family_key(key)) or {}
+    machine = compile_cache.load(directory, _machine_key(key)) or {}
+    return Priors(family=family.get("candidates", {}), winner=family.get("winner"), rates=machine.get("rates", {}))
+
+
+def store_priors(directory: Path, key: dict, report, modules: dict) -> None:
+    """Record this search: each candidate's compile time and result for the model (family), and
+    its seconds per compiled module for the machine. ``modules``: name -> (scope, modules)."""
+    priors = load_priors(directory, key)
+    for c in report.candidates:
+        if c.name == "eager" or c.status in ("pending", "skipped"):
+            continue
+        priors.family[c.name] = {"compile_s": c.compile_s, "speedup": report.speedup(c.name), "status": c.status}
+        scope, n = modules.get(c.name, (None, 0))
+        if c.status != "failed" and c.compile_s > 0 and n:
+            priors.rates[scope] = (priors.rates.get(scope, []) + [c.compile_s / n])[-MACHINE_SAMPLES:]
+    compile_cache.store(directory, _family_key(key), {"winner": report.chosen, "candidates": priors.family})
+    compile_cache.store(directory, _machine_key(key), {"rates": priors.rates})
