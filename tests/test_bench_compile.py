@@ -7,7 +7,7 @@ import json
 
 from slipstream.cli import main
 
-_TINY = ["--batch-size", "2", "--steps", "4", "--eager-steps", "4", "--image-size", "32", "--resnet-width", "8",
+_TINY = ["--batch-size", "2", "--steps", "4", "--image-size", "32", "--resnet-width", "8",
          "--bert-size", "tiny", "--seq-len", "16", "--llama-model", "llama-tiny", "--device", "cpu"]
 
 
@@ -22,28 +22,30 @@ def _check(records: list[dict], table: str, models: list[str]) -> None:
     for r in records:
         assert "error" not in r
         rep, s = r["report"], r["summary"]
-        for key in ("eager_steps_per_s", "chosen_steps_per_s", "ratio", "search_share"):
-            assert s[key] > 0 or key == "search_share"
-        for key in ("chosen", "decided_at_step", "search_s", "search_steps", "overhead_s", "graph_breaks", "recompiles"):
+        assert len(r["eager_s"]) == len(r["tuned_s"]) == len(r["eager_losses"]) == 4  # two whole runs of 4 steps
+        assert s["eager_run_s"] == sum(r["eager_s"]) and s["run_ratio"] == s["tuned_run_s"] / s["eager_run_s"]
+        for key in ("chosen", "decided_at_step", "search_s", "search_steps", "overhead_s", "graph_breaks",
+                    "recompiles", "expected_steps", "budget_s", "break_even_step"):
             assert key in rep
         names = [c["name"] for c in rep["candidates"]]
         assert names[0] == "eager" and len(names) == len(set(names))
         measured = {c["name"] for c in rep["candidates"] if c["status"] in ("measured", "chosen")}
         assert rep["chosen"] in measured
-        assert len(r["steady_s"]) >= 1 and r["eager_s"]
-        assert f"| {r['model']} | cpu | {rep['chosen']} |" in table
+        assert f"| {r['model']} | cpu | {rep['chosen']} ({rep['decided_at_step']}) |" in table
         for name in names:
             assert f"| {r['model']} | cpu | {name} |" in table
     assert "goals (cpu):" in table and "cold compiles" in table
 
 
 def test_bench_compile_reports_every_candidate_of_three_models(tmp_path):
-    # a budget spent before the first compile: every model's search ends at step 2, on eager
-    records, table = _run(tmp_path, ["--models", "resnet50,bert,llama", "--budget-s", "0.001", *_TINY])
+    # a 4-step run pays for no compile: every model's search ends at step 3, on eager, and each step
+    # of the compile-on run is eager's, on the same weights: the same losses
+    records, table = _run(tmp_path, ["--models", "resnet50,bert,llama", *_TINY])
     _check(records, table, ["resnet50", "bert", "llama"])
     for r in records:
-        assert r["report"]["chosen"] == "eager"
+        assert r["report"]["chosen"] == "eager" and r["report"]["expected_steps"] == 4
         assert {c["status"] for c in r["report"]["candidates"][1:]} == {"skipped"}
+        assert r["eager_losses"] == r["tuned_losses"]
     assert "torchvision" in records[0]["description"]
 
 

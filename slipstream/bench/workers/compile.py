@@ -2,22 +2,23 @@
 
 ``compile.py`` starts one per (model, device) with an empty ``TORCHINDUCTOR_CACHE_DIR``, so
 every compile is cold and no inductor state crosses models. Two copies of the model, built
-from one seed, train on the same batches (forward + backward + optimizer step, the model's
-own loss):
+from one seed, each train a whole run of ``steps`` steps on the same batches (forward +
+backward + optimizer step, the model's own loss):
 
-- ``eager``: the model as it is; its first ``WARM_STEPS`` steps run before the search;
-- ``tuned``: ``slipstream.compile(model, config=CompileConfig(cache=False, ...))``, trained
-  until the autotuner has chosen (``report.decided_at_step``), then on to ``steps`` steps.
+- ``eager``: the model as it is;
+- ``tuned``: ``slipstream.compile(model, config=CompileConfig(cache=False, expected_steps=...))``:
+  its search, then the chosen strategy.
 
-After the choice the eager steps left and the tuned model's steps take turns on the same
-batches, so a slow spell of the shared machine hits both. The result: the step times and
+Step ``i`` of one and step ``i`` of the other take turns (who goes first alternates), so a slow
+spell of the shared machine hits both runs alike; each run's wall time is the sum of its
+steps. Before them, a third copy takes ``WARM_STEPS`` untimed steps, so neither run pays for
+the process's first use of its kernels. The result: both runs' step times and losses, and
 ``compile_report(model).to_dict()``.
 """
 
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -26,10 +27,6 @@ import torch
 from slipstream.cluster.worker import run_worker, timed_step, turns
 
 WARM_STEPS = 2
-MIN_STEADY_STEPS = 5
-"""Steps of the chosen strategy run after the choice even when the search took ``--steps``."""
-MAX_SEARCH_STEPS = 1000
-"""A search takes 1 + 2 x candidates + measure_rounds x survivors steps; far more is a bug."""
 
 # name -> (layers, hidden): Google's BERT miniatures (Turc et al., 2019) and BERT-base
 BERT_SIZES = {"tiny": (2, 128), "mini": (4, 256), "small": (4, 512), "medium": (8, 512), "base": (12, 768)}
@@ -114,7 +111,7 @@ def _llama(job: dict, device: torch.device) -> Workload:
     tokenizer = load_tokenizer(vocab_size=8192)
     samples, _ = alpaca_samples(tokenizer, data=job["data"], seed=job["seed"], max_length=2048, shuffle=True)
     b = job["batch_size"]
-    n = min(len(samples) // b, job["steps"] + job["eager_steps"])
+    n = min(len(samples) // b, job["steps"])
     if n < 1:
         raise SystemExit(f"need at least {b} samples, have {len(samples)}")
     collate = FlattenCollator()
@@ -143,40 +140,41 @@ def measure(job: dict) -> dict:
 
     device = torch.device(job["device"])
     w = WORKLOADS[job["model"]](job, device)
-    eager, tuned = w.build(), w.build()
-    eager_opt, tuned_opt = w.optimizer(eager), w.optimizer(tuned)
+    warm, eager, tuned = w.build(), w.build(), w.build()
 
-    def step(model, opt, i: int) -> float:
-        """Seconds of step ``i``: forward + backward + optimizer step on batch ``i`` (cycled)."""
-        return timed_step(lambda: w.loss(model, w.batches[i % len(w.batches)]), opt, device)[0]
+    def step(model, opt, i: int) -> tuple[float, float]:
+        """(seconds, loss) of step ``i``: forward + backward + optimizer step on batch ``i`` (cycled),
+        random draws (dropout) seeded by ``i``, so both runs' step ``i`` draw alike."""
+        losses = []
+        torch.manual_seed(job["seed"] * 1_000_003 + i)
 
-    eager_warm = [step(eager, eager_opt, i) for i in range(WARM_STEPS)]
+        def loss():
+            value = w.loss(model, w.batches[i % len(w.batches)])
+            losses.append(value.detach())
+            return value
+        return timed_step(loss, opt, device)[0], float(losses[-1])
 
-    config = CompileConfig(cache=False, verbose=False, budget_s=job["budget_s"],
+    warm_opt = w.optimizer(warm)
+    for i in range(WARM_STEPS):
+        step(warm, warm_opt, i)
+    del warm, warm_opt
+    expected = job["expected_steps"] if job["expected_steps"] is not None else job["steps"]
+    config = CompileConfig(cache=False, verbose=False, budget_s=job["budget_s"], expected_steps=expected or None,
                            strategies=tuple(job["strategies"]) if job["strategies"] else None)
     slipstream.compile(tuned, config=config)
+    runs = {"eager": (eager, w.optimizer(eager), []), "tuned": (tuned, w.optimizer(tuned), [])}
+    for i in range(job["steps"]):
+        for name in turns(list(runs), i):
+            model, opt, record = runs[name]
+            record.append(step(model, opt, i))
     report = slipstream.compile_report(tuned)
-    start = time.perf_counter()
-    tuned_s = []
-    while report.decided_at_step is None:
-        if len(tuned_s) > MAX_SEARCH_STEPS:
-            raise RuntimeError(f"the autotuner has not chosen after {MAX_SEARCH_STEPS} steps")
-        tuned_s.append(step(tuned, tuned_opt, len(tuned_s)))
-    eager_s, steady_s = [], []
-    runs = {"eager": (eager, eager_opt, eager_s, job["eager_steps"] - WARM_STEPS),
-            "tuned": (tuned, tuned_opt, steady_s, max(job["steps"] - len(tuned_s), MIN_STEADY_STEPS))}
-    for k in range(max(n for *_, n in runs.values())):
-        i = len(tuned_s) + k
-        for model, opt, times, n in (runs[who] for who in turns(list(runs), k)):
-            if k < n:
-                times.append((i, step(model, opt, i)))
     return {
         "model": job["model"], "device": str(device), "description": w.description, "batch": w.batch_shape,
         "parameters": sum(p.numel() for p in tuned.parameters()), "torch_threads": torch.get_num_threads(),
-        "eager_warm_s": eager_warm, "eager_s": eager_s, "search_loop_s": tuned_s, "steady_s": steady_s,
-        "tuned_wall_s": time.perf_counter() - start, "report": report.to_dict(), "report_table": report.table(),
+        "eager_s": [t for t, _ in runs["eager"][2]], "tuned_s": [t for t, _ in runs["tuned"][2]],
+        "eager_losses": [v for _, v in runs["eager"][2]], "tuned_losses": [v for _, v in runs["tuned"][2]],
+        "report": report.to_dict(), "report_table": report.table(),
     }
-
 
 if __name__ == "__main__":
     # --job: the job as JSON (compile._job). A process of its own, no group: every core is the
