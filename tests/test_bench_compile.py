@@ -38,7 +38,7 @@ def _check(records: list[dict], table: str, models: list[str]) -> None:
 
 
 def test_bench_compile_reports_every_candidate_of_three_models(tmp_path):
-    # a 4-step run pays for no compile: every model's search ends at step 3, on eager, and each step
+    # a 4-step run pays for no compile: every model's search ends at step 4, on eager, and each step
     # of the compile-on run is eager's, on the same weights: the same losses
     records, table = _run(tmp_path, ["--models", "resnet50,bert,llama", *_TINY])
     _check(records, table, ["resnet50", "bert", "llama"])

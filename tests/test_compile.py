@@ -196,23 +196,29 @@ def test_a_skewed_candidate_is_rejected_by_the_search(tmp_path):
     assert torch.equal(ours[0], ref[0])
 
 
-def test_a_candidate_over_twice_eagers_step_is_not_timed_further(tmp_path, monkeypatch):
-    from slipstream.core_compile.autotune import autotuner as autotune
-
+def _slowed(monkeypatch, name: str, seconds: float) -> None:
+    """Strategy ``name``'s steps take ``seconds`` more (a sleep before its forward)."""
     build = strategy.build
 
-    def slowed(s, eager_forward, regions):  # inductor's steps take 50 ms more (eager's: ~1 ms)
+    def slowed(s, eager_forward, regions):
         applied = build(s, eager_forward, regions)
-        compiled = applied.forward
+        if s.name == name:
+            inner = applied.forward or eager_forward
 
-        def forward(*args, **kwargs):
-            time.sleep(0.05)
-            return compiled(*args, **kwargs)
+            def forward(*args, **kwargs):
+                time.sleep(seconds)
+                return inner(*args, **kwargs)
 
-        applied.forward = forward
+            applied.forward = forward
         return applied
 
     monkeypatch.setattr(strategy, "build", slowed)
+
+
+def test_a_candidate_over_twice_eagers_step_is_not_timed_further(tmp_path, monkeypatch):
+    from slipstream.core_compile.autotune import autotuner as autotune
+
+    _slowed(monkeypatch, "inductor", 0.05)  # inductor's steps take 50 ms more (eager's: ~1 ms)
     eager, model = _pair()
     batches = _batches(10)
     ref = _train(eager, batches)
@@ -300,12 +306,12 @@ def test_the_decision_is_cached_and_a_new_shape_or_version_searches_again(tmp_pa
 
 
 class SlowEager(Net):
-    """Net whose eager forward sleeps 20 ms: a compiled forward (the branch is not traced) wins
-    by far more than any noise."""
+    """Net whose eager forward sleeps 200 ms: a compiled forward (the branch is not traced) wins
+    by far more than any noise, even on a loaded machine."""
 
     def forward(self, x, y):
         if not torch.compiler.is_compiling():
-            time.sleep(0.02)
+            time.sleep(0.2)
         return super().forward(x, y)
 
 
@@ -317,8 +323,8 @@ def test_a_short_run_compiles_nothing_its_budget_cannot_pay_for(tmp_path):
     ours = _train(model, batches)
     report = slipstream.compile_report(model)
     by = {c.name: c for c in report.candidates}
-    # 5% of 6 steps of ~1 ms: no compile fits, so none is tried, nor the graph breaks listed
-    assert report.chosen == "eager" and report.decided_at_step == 3, report.table()
+    # 5% of 6 steps of ~1 ms (steps 2 and 3 timed): no compile fits, none is tried nor graph breaks listed
+    assert report.chosen == "eager" and report.decided_at_step == 4, report.table()
     assert all(c.status == "skipped" for n, c in by.items() if n != "eager"), report.table()
     assert "expected compile" in by["inductor"].reason and "expected compile" in by["regions"].reason
     assert all(c.graphs == 0 and c.compile_s == 0 for c in by.values()) and report.graph_count is None
@@ -328,18 +334,7 @@ def test_a_short_run_compiles_nothing_its_budget_cannot_pay_for(tmp_path):
 
 
 def test_a_decisive_winner_ends_the_search_and_goes_first_next_time(tmp_path, monkeypatch):
-    build = strategy.build
-
-    def slowed(s, eager_forward, regions):  # regions' steps take 1 s more: a loser by far, pruned
-        applied = build(s, eager_forward, regions)
-        if s.name == "regions":
-            def forward(*args, **kwargs):
-                time.sleep(1.0)
-                return eager_forward(*args, **kwargs)
-            applied.forward = forward
-        return applied
-
-    monkeypatch.setattr(strategy, "build", slowed)
+    _slowed(monkeypatch, "regions", 1.0)  # regions' steps take 1 s more: a loser by far, pruned
     torch.manual_seed(0)
     eager, model = SlowEager(), SlowEager()
     model.load_state_dict(eager.state_dict())
@@ -378,6 +373,27 @@ def test_the_cost_and_the_step_that_pays_it_back():
     report.chosen = "eager"
     assert report.break_even_step() is None and "not earned back" in report.cost_line()
 
+
+def test_expected_compile_times_come_from_this_model_then_this_machine_then_the_default(tmp_path):
+    from slipstream.core_compile.autotune import budget
+    from slipstream.core_compile.autotune.config import Candidate
+
+    inductor = next(s for s in strategy.STRATEGIES if s.name == "inductor")
+    key = {"model": "m1", "model_class": "Net", "inputs": [[4, 12]], "device": "cpu: x", "torch": "t"}
+    first = budget.load_priors(tmp_path, key)
+    assert first.compile_s(inductor, 10, cold=False)[0] == 10 * budget.DEFAULT_S_PER_MODULE["model"]
+    assert first.compile_s(inductor, 10, cold=True)[0] == 10 * budget.DEFAULT_S_PER_MODULE["model"] + \
+        budget.FIRST_COMPILE_S
+    report = CompileReport(module="Net", chosen="eager", candidates=[
+        Candidate("eager", step_s=[1.0]), Candidate("inductor", status="measured", compile_s=3.0, step_s=[2.0]),
+        Candidate("regions", status="measured", compile_s=40.0, step_s=[0.99])])
+    budget.store_priors(tmp_path, key, report, {"inductor": ("model", 10), "regions": ("regions", 2)}, cold="regions")
+    again = budget.load_priors(tmp_path, {**key, "inputs": [[4, 20]]})  # the same model, a new shape
+    assert again.compile_s(inductor, 10, cold=True) == (3.0, "this model's compile on this machine")
+    assert "0.50x eager" in again.lost("inductor", 1.05) and "1.01x eager" in again.lost("regions", 1.05)
+    other = budget.load_priors(tmp_path, {**key, "model": "m2", "model_class": "Other"})  # another model here
+    assert other.family == {} and other.compile_s(inductor, 20, cold=False)[0] == pytest.approx(20 * 0.3)
+    assert "regions" not in other.rates  # the process's first compile holds inductor's start-up: not a rate
 
 def test_the_stacks_run_length_sets_the_budget_unless_the_user_did():
     from slipstream.plugins.deepspeed.translate import run_length

@@ -9,10 +9,10 @@ backward + optimizer step, the model's own loss):
 - ``tuned``: ``slipstream.compile(model, config=CompileConfig(cache=False, expected_steps=...))``:
   its search, then the chosen strategy.
 
-Step ``i`` of one and step ``i`` of the other take turns (who goes first alternates), so a slow
-spell of the shared machine hits both runs alike; each run's wall time is the sum of its
-steps. Before them, a third copy takes ``WARM_STEPS`` untimed steps, so neither run pays for
-the process's first use of its kernels. The result: both runs' step times and losses, and
+The eager run goes first, then the compile-on run: their steps cannot take turns, since the
+autotuner times a step as the time between two calls of the model's forward. Each run's wall
+time is the sum of its steps. Before them, a third copy takes ``WARM_STEPS`` untimed steps, so
+neither run pays for the process's first use of its kernels. The result: both runs' step times and losses, and
 ``compile_report(model).to_dict()``.
 """
 
@@ -24,7 +24,7 @@ from typing import Callable
 
 import torch
 
-from slipstream.cluster.worker import run_worker, timed_step, turns
+from slipstream.cluster.worker import run_worker, timed_step
 
 WARM_STEPS = 2
 
@@ -163,10 +163,8 @@ def measure(job: dict) -> dict:
                            strategies=tuple(job["strategies"]) if job["strategies"] else None)
     slipstream.compile(tuned, config=config)
     runs = {"eager": (eager, w.optimizer(eager), []), "tuned": (tuned, w.optimizer(tuned), [])}
-    for i in range(job["steps"]):
-        for name in turns(list(runs), i):
-            model, opt, record = runs[name]
-            record.append(step(model, opt, i))
+    for model, opt, record in runs.values():
+        record.extend(step(model, opt, i) for i in range(job["steps"]))
     report = slipstream.compile_report(tuned)
     return {
         "model": job["model"], "device": str(device), "description": w.description, "batch": w.batch_shape,

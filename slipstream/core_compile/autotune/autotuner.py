@@ -5,8 +5,8 @@ step; the time between two calls is the step's time, backward and optimizer incl
 search, on the user's own batches, at a cost bounded by ``budget`` (a share of the run when
 its length is known):
 
-1. the first step runs eagerly; with ``expected_steps``, the second too, timed: eager's step
-   time sets the budget. Strategies that lost for this model here before are skipped and its
+1. the first step runs eagerly; with ``expected_steps``, the second and third too, timed:
+   eager's step time sets the budget. Strategies that lost for this model here before are skipped and its
    last winner goes first (``budget.Priors``, when every rank read the same);
 2. then (by then it is known whether the batches change shape: if they do, static graphs are
    skipped and the default shape policy is measured as its dynamic variant) each candidate
@@ -100,7 +100,8 @@ class Autotuner:
         self.priors = budget.Priors()
         self.modules: dict[str, tuple] = {}  # name -> (scope, modules it compiles)
         self.budget: float | None = None
-        self.probe: float | None = None  # start of the eager step that times eager before the search
+        self.probe: float | None = None  # start of an eager step that times eager before the search
+        self.cold: str | None = None  # the candidate compiled first in this process
         self.listed = False
         setattr(self, MARKER, True)
 
@@ -113,8 +114,9 @@ class Autotuner:
             self.by_name[name].step_s.append((now - start) / units)
             self.report.units.append(units)
             self.timed = None
-        if self.probe is not None:
-            self.report.eager_step_s, self.probe = now - self.probe, None
+        if self.probe is not None:  # the faster of two eager steps (a varlen batch's length varies)
+            took, self.probe = now - self.probe, None
+            self.report.eager_step_s = min(took, self.report.eager_step_s or took)
         self.step += 1
         if self.phase == "start":
             self.search_start = now
@@ -200,7 +202,7 @@ class Autotuner:
             return self._call(self.active, args, kwargs)
         if self.step == 1 and self.pending:  # the first candidate waits a step: has the shape changed by then?
             return self.eager(*args, **kwargs)
-        if self.step == 2 and self.pending and self.config.expected_steps:  # eager's step, for the budget
+        if self.step in (2, 3) and self.pending and self.config.expected_steps:  # eager's step, for the budget
             self.probe = now
             return self.eager(*args, **kwargs)
         while self.pending:
@@ -264,7 +266,7 @@ class Autotuner:
             self.report.eager_step_s = eager
             self.budget, self.report.budget_basis = budget.search_budget(self.config, eager)
             self.report.budget_s = self.budget
-        expected, source = self.priors.compile_s(s, self.modules[s.name][1])
+        expected, source = self.priors.compile_s(s, self.modules[s.name][1], strategy.Counter.in_process == 0)
         elapsed = time.perf_counter() - self.search_start
         spent, expected = agree(self.group, [elapsed - (self.step - 1) * (self.report.eager_step_s or 0.0), expected])
         spent = max(spent, 0.0)
@@ -276,6 +278,8 @@ class Autotuner:
     def _try(self, s: strategy.Strategy, args, kwargs) -> bool:
         """Compile ``s`` and check it against eager on this batch."""
         cand = self.by_name[s.name]
+        if strategy.Counter.in_process == 0 and self.cold is None:
+            self.cold = s.name
         start = time.perf_counter()
         try:
             applied = self.built[s.name] = strategy.build(s, self.eager, self.regions)
@@ -342,7 +346,7 @@ class Autotuner:
         if self.key is not None:
             path = compile_cache.store(self._cache_dir(), self.key, {"chosen": chosen, "report": self.report.to_dict()})
             self.report.cache_file = str(path) if path else None
-            budget.store_priors(self._cache_dir(), self.key, self.report, self.modules)
+            budget.store_priors(self._cache_dir(), self.key, self.report, self.modules, self.cold)
         self._say()
 
     def _say(self) -> None:

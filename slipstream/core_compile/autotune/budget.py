@@ -3,14 +3,16 @@ expected to cost before it is compiled.
 
 - **The budget.** With ``CompileConfig.expected_steps`` (the stack's or the user's run length),
   the search may cost at most ``budget_share`` of the run: that share of ``expected_steps``
-  times eager's step time, measured on the run's own second step; ``budget_s`` caps it. Without
-  a run length, ``budget_s`` alone. The cost is what the search's steps take beyond the same
-  steps of eager: compiling, checking, warming up, and the timed steps of a slower candidate.
+  times eager's step time (the faster of the run's second and third steps); ``budget_s`` caps
+  it. Without a run length, ``budget_s`` alone. The cost is what the search's steps take
+  beyond the same steps of eager: compiling, checking, warming up, and the timed steps of a
+  slower candidate.
 - **The expected compile time** of a candidate, before it is compiled, from the first of:
   this model's own compile of that strategy on this machine (any batch shape, the ``family``
   record); the seconds per compiled module of any model compiled on this machine (the
-  ``machine`` record); ``DEFAULT_S_PER_MODULE``. A candidate whose expected time does not fit
-  in what is left of the budget is skipped, saying so.
+  ``machine`` record); ``DEFAULT_S_PER_MODULE``. On these last two, the process's first
+  compile adds ``FIRST_COMPILE_S``. A candidate whose expected time does not fit in what is
+  left of the budget is skipped, saying so.
 - **The priors** from the family record: strategies that lost for this model on this machine
   are skipped; the last winner is measured first.
 
@@ -37,6 +39,11 @@ compiled on this machine: the medians of cold compiles measured on a 2-core x86 
 (benchmarks/results/compile_epyc-2core-kvm_2026-11-24.md): the whole model 0.39 (ResNet-50),
 0.49 (BERT-mini), 0.93 s (llama-20m, dynamic); the regions, counted once per block class,
 0.4 (BERT), 1.6 (llama), 3.9 s (ResNet-50: its stages' shapes recompile the block)."""
+FIRST_COMPILE_S = 25.0
+"""Added to a default or machine-wide estimate when nothing has been compiled in this process
+yet: inductor's start-up (its imports, its compile workers, the C++ toolchain's first runs).
+Measured on a 2-core x86 machine: llama-20m's regions-dynamic took 41.5 s as the process's
+first compile and 16 s after another (benchmarks/results/compile_xeon-2core-kvm_2026-11-26.md)."""
 MACHINE_SAMPLES = 8
 """Rates kept per scope in the machine record (the median is used)."""
 
@@ -73,16 +80,19 @@ class Priors:
     rates: dict = field(default_factory=dict)
     """scope -> [seconds per compiled module, ...]: any model's compiles on this machine."""
 
-    def compile_s(self, s: Strategy, modules: int) -> tuple[float, str]:
-        """(expected seconds to compile and check ``s``, where the figure comes from)."""
+    def compile_s(self, s: Strategy, modules: int, cold: bool) -> tuple[float, str]:
+        """(expected seconds to compile and check ``s``, where the figure comes from). ``cold``:
+        nothing compiled in this process yet (``FIRST_COMPILE_S`` more, on a per-module figure)."""
         seen = self.family.get(s.name, {})
         if seen.get("compile_s"):
             return seen["compile_s"], "this model's compile on this machine"
         if self.rates.get(s.scope):
-            rate = statistics.median(self.rates[s.scope])
-            return rate * modules, f"{modules} modules x {rate:.2f} s, as compiled on this machine"
-        rate = DEFAULT_S_PER_MODULE[s.scope]
-        return rate * modules, f"{modules} modules x {rate:.2f} s, the default (nothing compiled here yet)"
+            rate, where = statistics.median(self.rates[s.scope]), "as compiled on this machine"
+        else:
+            rate, where = DEFAULT_S_PER_MODULE[s.scope], "the default (nothing compiled here yet)"
+        start = f" + {FIRST_COMPILE_S:g} s for inductor's start-up" if cold else ""
+        return (rate * modules + FIRST_COMPILE_S * cold,
+                f"{modules} modules x {rate:.2f} s{start}, {where}")
 
     def lost(self, name: str, min_speedup: float) -> str | None:
         """Why ``name`` is not worth measuring again for this model here, or None."""
@@ -112,16 +122,17 @@ def load_priors(directory: Path, key: dict) -> Priors:
     return Priors(family=family.get("candidates", {}), winner=family.get("winner"), rates=machine.get("rates", {}))
 
 
-def store_priors(directory: Path, key: dict, report, modules: dict) -> None:
+def store_priors(directory: Path, key: dict, report, modules: dict, cold: str | None) -> None:
     """Record this search: each candidate's compile time and result for the model (family), and
-    its seconds per compiled module for the machine. ``modules``: name -> (scope, modules)."""
+    its seconds per compiled module for the machine, but for ``cold``, the process's first
+    compile (its time holds inductor's start-up). ``modules``: name -> (scope, modules)."""
     priors = load_priors(directory, key)
     for c in report.candidates:
         if c.name == "eager" or c.status in ("pending", "skipped"):
             continue
         priors.family[c.name] = {"compile_s": c.compile_s, "speedup": report.speedup(c.name), "status": c.status}
         scope, n = modules.get(c.name, (None, 0))
-        if c.status != "failed" and c.compile_s > 0 and n:
+        if c.status != "failed" and c.compile_s > 0 and n and c.name != cold:
             priors.rates[scope] = (priors.rates.get(scope, []) + [c.compile_s / n])[-MACHINE_SAMPLES:]
     compile_cache.store(directory, _family_key(key), {"winner": report.chosen, "candidates": priors.family})
     compile_cache.store(directory, _machine_key(key), {"rates": priors.rates})

@@ -130,7 +130,8 @@ class CompileReport:
     """What the search could cost (``budget.search_budget``), and ``budget_basis`` how it was set."""
     budget_basis: str = ""
     eager_step_s: float | None = None
-    """Eager's seconds per step: its median in the timed rounds, else the run's second step."""
+    """Eager's seconds per step: its median in the timed rounds, else the faster of the run's
+    second and third steps."""
 
     def step_ms(self, name: str) -> float | None:
         """``name``'s median step time per element (the ranks' mean), scaled to the median

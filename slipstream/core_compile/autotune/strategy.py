@@ -79,6 +79,9 @@ class Counter:
     """The ``torch.compile`` backend of every compiled strategy: counts and times the graphs
     inductor builds, so recompiles are seen whatever torch's logging says."""
 
+    in_process = 0
+    """Graphs built by every ``Counter`` of this process (the first pays inductor's start-up)."""
+
     def __init__(self, mode: str | None) -> None:
         self.mode = mode
         self.graphs = 0
@@ -89,6 +92,7 @@ class Counter:
         from torch._inductor.compile_fx import compile_fx
 
         self.graphs += 1
+        Counter.in_process += 1
         start = time.perf_counter()
         try:
             # fallback_random: random ops (dropout) draw from torch's generator as eager does, so
