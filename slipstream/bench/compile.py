@@ -15,7 +15,8 @@ Models (``--models``), each trained with forward + backward + optimizer step and
 Each (model, device) runs in a fresh process (``workers/compile.py``) with an empty inductor
 cache directory and the decision cache off, so compile times are cold: a whole run of
 ``--steps`` steps eagerly and the same run under ``slipstream.compile`` told its length
-(``expected_steps``), from one seed on the same batches, one after the other. The table
+(``expected_steps``), from one seed on the same batches: eager's first half, the compile-on
+run, eager's second half (``workers/compile.py``). The table
 gives each run's wall time (the sum of its steps) and their ratio, the chosen strategy's step
 time against eager's after the choice, what the search cost (its steps' time beyond the same
 eager steps) as a share of the eager run, the step where the report says it pays for itself,
@@ -189,8 +190,8 @@ def _report(records: list[dict], devices: list[str], command: str) -> str:
 
     notes = ["cold compiles: each model in a fresh process with an empty TORCHINDUCTOR_CACHE_DIR; "
              "CompileConfig(cache=False) and an empty SLIPSTREAM_COMPILE_DIR (no decision reused)",
-             "run s: the sum of a whole run's steps (forward + backward + optimizer step), eager's run then the "
-             "compile-on run, on the same batches; run ratio: compile-on / eager; steps after the choice: median of "
+             "run s: the sum of a whole run's steps (forward + backward + optimizer step), on the same batches: "
+             "eager's first half, the compile-on run, eager's second half; run ratio: compile-on / eager; steps after the choice: median of "
              "eager / chosen step time over the pairs after the choice; search cost: the search's steps' time "
              "beyond the same eager steps, its share of the eager run; pays back at step: the report's "
              "break-even (- where eager is chosen)"]

@@ -9,9 +9,10 @@ backward + optimizer step, the model's own loss):
 - ``tuned``: ``slipstream.compile(model, config=CompileConfig(cache=False, expected_steps=...))``:
   its search, then the chosen strategy.
 
-The eager run goes first, then the compile-on run: their steps cannot take turns, since the
-autotuner times a step as the time between two calls of the model's forward. Each run's wall
-time is the sum of its steps. Before them, a third copy takes ``WARM_STEPS`` untimed steps, so
+Their steps cannot take turns, since the autotuner times a step as the time between two calls
+of the model's forward. So the eager run takes its first half of the steps, the compile-on run
+all of its steps, then the eager run its second half: a drift of the machine's speed over the
+measurement weighs on both runs alike. Each run's wall time is the sum of its steps. Before them, a third copy takes ``WARM_STEPS`` untimed steps, so
 neither run pays for the process's first use of its kernels. The result: both runs' step times and losses, and
 ``compile_report(model).to_dict()``.
 """
@@ -163,8 +164,10 @@ def measure(job: dict) -> dict:
                            strategies=tuple(job["strategies"]) if job["strategies"] else None)
     slipstream.compile(tuned, config=config)
     runs = {"eager": (eager, w.optimizer(eager), []), "tuned": (tuned, w.optimizer(tuned), [])}
-    for model, opt, record in runs.values():
-        record.extend(step(model, opt, i) for i in range(job["steps"]))
+    half = job["steps"] // 2
+    for name, steps in (("eager", range(half)), ("tuned", range(job["steps"])), ("eager", range(half, job["steps"]))):
+        model, opt, record = runs[name]
+        record.extend(step(model, opt, i) for i in steps)
     report = slipstream.compile_report(tuned)
     return {
         "model": job["model"], "device": str(device), "description": w.description, "batch": w.batch_shape,
