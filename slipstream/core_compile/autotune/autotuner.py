@@ -6,8 +6,8 @@ search, on the user's own batches, at a cost bounded by ``budget`` (a share of t
 its length is known):
 
 1. the first step runs eagerly; with ``expected_steps``, the second and third too, timed:
-   eager's step time sets the budget. Strategies that lost for this model here before are skipped and its
-   last winner goes first (``budget.Priors``, when every rank read the same);
+   eager's step time sets the budget. Strategies that lost for this model here before are
+   skipped and its last winner goes first (``budget.Priors``, when every rank read the same);
 2. then (by then it is known whether the batches change shape: if they do, static graphs are
    skipped and the default shape policy is measured as its dynamic variant) each candidate
    (``strategy.candidates``) whose expected compile time fits in what is left of the budget is
