@@ -43,7 +43,7 @@ FIRST_COMPILE_S = 25.0
 """Added to a default or machine-wide estimate when nothing has been compiled in this process
 yet: inductor's start-up (its imports, its compile workers, the C++ toolchain's first runs).
 Measured on a 2-core x86 machine: llama-20m's regions-dynamic took 41.5 s as the process's
-first compile and 16 s after another (benchmarks/results/compile_xeon-2core-kvm_2026-11-26.md)."""
+first compile and 16.4 s after another (benchmarks/results/compile_xeon-2core-kvm_2026-11-26.md)."""
 MACHINE_SAMPLES = 8
 """Rates kept per scope in the machine record (the median is used)."""
 
