@@ -43,11 +43,12 @@ def test_embedded_default_runs_end_to_end_and_matches_stock(tmp_path):
 
 
 def test_fsdp_stack_compare_matches_stock_fsdp2_with_its_collectives_through_the_core(tmp_path, monkeypatch):
-    """Ours also compiles (--compile): a 3-step run's budget (5% of it) pays for no compile, so
-    none is tried, and each step is eager's (the budget's own checks: tests/test_compile.py)."""
+    """Ours also compiles (--compile): a 4-step run's budget (5% of it) pays for no compile, so
+    none is tried at step 4 (steps 2 and 3 time eager), and each step is eager's (the budget's
+    own checks: tests/test_compile.py)."""
     monkeypatch.setenv("SLIPSTREAM_COMPILE_DIR", str(tmp_path / "compile-cache"))
     figures = tmp_path / "figures.json"
-    assert main(["finetune", "--stack", "fsdp", "--compare", "--compile", "--steps", "3", "--samples", "48",
+    assert main(["finetune", "--stack", "fsdp", "--compare", "--compile", "--steps", "4", "--samples", "48",
                  "--max-length", "128", "--batch-size", "4", "--output-dir", str(tmp_path / "run"), "--json",
                  str(figures)]) == 0
     stock, ours = json.loads(figures.read_text())
@@ -66,7 +67,8 @@ def test_fsdp_stack_compare_matches_stock_fsdp2_with_its_collectives_through_the
     statuses = {c["name"]: (c["status"], c["reason"]) for c in report["candidates"]}
     assert "inductor" not in statuses  # FSDP2's hooks: never the whole model
     assert statuses["regions"][0] == "skipped" and "expected compile" in statuses["regions"][1], report
-    assert report["expected_steps"] == 3 and report["chosen"] == "eager" and report["fallback"] is None, report
+    assert report["expected_steps"] == 4 and report["decided_at_step"] == 4, report
+    assert report["chosen"] == "eager" and report["fallback"] is None, report
 
 
 @pytest.mark.netns
