@@ -144,12 +144,24 @@ def _connect_times(cluster: EmulatedCluster) -> list[float]:
 
 
 @pytest.mark.netns
+def _settled(cluster, within_s: float = 10.0) -> dict:
+    """The forwarder's counters once two readings 0.6 s apart agree (it writes them every 0.5 s,
+    idle or not): the traffic has stopped and the last write is in."""
+    deadline, last = time.monotonic() + within_s, None
+    while time.monotonic() < deadline:
+        time.sleep(0.6)
+        stats = cluster.impair_stats
+        if stats == last:
+            return stats
+        last = stats
+    raise AssertionError(f"the forwarder's counters still changing after {within_s} s: {last}")
+
+
 def test_an_impaired_link_delays_and_drops_what_each_node_sends():
     with EmulatedCluster(ClusterSpec(nodes=2, link="1gbit", impair="delay 30ms, loss 5%, seed 1")) as cluster:
         connects = _connect_times(cluster)
         cluster.measure_throughput(nbytes=4 << 20)  # completes: TCP sends again what was lost
-        time.sleep(0.6)  # the forwarder's counters are written every 0.5 s
-        stats = cluster.impair_stats
+        stats = _settled(cluster)
         stats_file, switch = cluster._stats_path(), cluster.switch_namespace
         forwarder = _netns.ns_pids(switch)
     assert min(connects) >= 0.06, connects  # the SYN and the SYN-ACK, each held 30 ms

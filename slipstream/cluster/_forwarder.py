@@ -100,7 +100,10 @@ class _Forwarder:
             poller.register(fd, select.POLLIN)
         parent, next_stats = os.getppid(), 0.0
         while os.getppid() == parent:
-            wait = self.release(time.monotonic())
+            now = time.monotonic()
+            wait = self.release(now)
+            if stats_path:  # idle, the counters are still written on time
+                wait = min(wait, next_stats - now)
             for fd, _ in poller.poll(max(0.0, min(wait, 1.0)) * 1e3):
                 for _ in range(256):  # drain a burst, then let due frames out
                     try:
