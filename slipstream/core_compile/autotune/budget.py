@@ -55,8 +55,9 @@ def search_budget(config, eager_step_s: float | None) -> tuple[float, str]:
     share = config.budget_share * config.expected_steps * eager_step_s
     basis = (f"{100 * config.budget_share:g}% of {config.expected_steps} steps of {eager_step_s:.3g} s "
              f"(eager's)")
-    return (share, basis) if share <= config.budget_s else (config.budget_s, f"budget_s={config.budget_s:g}, "
-                                                                            f"under {basis}")
+    if share <= config.budget_s:
+        return share, basis
+    return config.budget_s, f"budget_s={config.budget_s:g}, under {basis}"
 
 
 def _leaves(module: torch.nn.Module) -> int:
