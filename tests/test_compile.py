@@ -8,6 +8,10 @@ a few SGD steps to ~1e-5 (measured here: 3e-7 and 2e-6); the checks use 10x that
 from __future__ import annotations
 
 import copy
+import os
+import random
+import re
+import tempfile
 import time
 import warnings
 
@@ -90,7 +94,9 @@ def _close(ours, ref, rtol=1e-5):
 
 
 def _cfg(tmp_path, **kw):
-    return CompileConfig(cache_dir=str(tmp_path / "cache"), verbose=False, **kw)
+    """The search's settings; compiled in the training process (the tests of ``background``
+    below compile beside it)."""
+    return CompileConfig(cache_dir=str(tmp_path / "cache"), verbose=False, **{"background": False, **kw})
 
 
 @pytest.mark.parametrize("name", ["inductor", "regions", "inductor-dynamic"])
@@ -407,6 +413,126 @@ def test_the_stacks_run_length_sets_the_budget_unless_the_user_did():
     for no in ({}, {"scheduler": {"type": "WarmupLR", "params": {}}}, {"scheduler": None},
                {"scheduler": {"params": {"total_num_steps": "auto"}}}):
         assert run_length(no) is None
+
+def _train_until_decided(model, eager, batches, limit_s: float = 240.0):
+    """Train both models on ``batches`` (cycled) step by step, 20 ms apart, until ``model``'s
+    search has decided and two more steps ran (bounded by ``limit_s``); their losses."""
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (model, eager)]
+    losses, deadline, i = ([], []), time.monotonic() + limit_s, 0
+    while time.monotonic() < deadline:
+        for m, opt, record in zip((model, eager), optimizers, losses):
+            loss = m(*batches[i % len(batches)])
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            record.append(loss.item())
+        decided = slipstream.compile_report(model).decided_at_step
+        if decided is not None and i >= decided + 1:
+            return torch.tensor(losses[0]), torch.tensor(losses[1])
+        i += 1
+        time.sleep(0.02)
+    raise AssertionError(f"no decision within {limit_s:g} s:\n{slipstream.compile_report(model).table()}")
+
+
+class Tagged(Net):
+    """Net whose graph no earlier run has put in inductor's cache: a constant of the graph made
+    of a random int, added to the input and far below its rounding (inductor's own start-up
+    stays warm in its usual directory)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tag = random.SystemRandom().randrange(2, 1 << 30)
+
+    def forward(self, x, y):
+        return super().forward(x + self.tag * 1e-30, y)
+
+
+def _prebuild_dirs() -> set:
+    return {n for n in os.listdir(tempfile.gettempdir()) if n.startswith("slipstream-prebuild-")}
+
+
+def test_a_candidate_compiled_beside_training_loads_its_kernels_from_the_cache_and_trains_like_eager(
+        tmp_path, monkeypatch):
+    torch.manual_seed(0)
+    eager, model = Tagged(), Tagged()
+    model.load_state_dict(eager.state_dict())
+    before = _prebuild_dirs()
+    slipstream.compile(model, config=_cfg(tmp_path, strategies=("inductor",), background=True, measure_rounds=2))
+    inductor = torch._dynamo.utils.counters["inductor"]
+    generated, loaded = inductor["fxgraph_cache_miss"], inductor["fxgraph_cache_hit"]
+    ours, ref = _train_until_decided(model, eager, _batches(4))
+    report = slipstream.compile_report(model)
+    cand = next(c for c in report.candidates if c.name == "inductor")
+    assert report.background is None and cand.status in ("measured", "chosen"), report.table()
+    # the compile process generated the graphs; this process loaded every one of them
+    assert cand.beside.startswith("compiled beside training first") and cand.background_s > 0, cand.beside
+    assert re.search(r"[1-9]\d* inductor graphs generated", cand.beside), cand.beside
+    assert inductor["fxgraph_cache_miss"] == generated and inductor["fxgraph_cache_hit"] > loaded, report.table()
+    waited = int(re.search(r"(\d+) eager steps meanwhile", cand.beside).group(1))
+    assert waited >= 1 and report.decided_at_step > waited
+    torch.testing.assert_close(ours[:waited + 1], ref[:waited + 1], rtol=0, atol=0)  # eager's own steps meanwhile
+    torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-6)
+    assert _prebuild_dirs() == before  # the compile process's files are gone
+    assert "compiled beside training: on" in report.table() and report.to_dict()["background"] is None
+
+
+class Unpicklable(Net):
+    """Net holding a lambda: it cannot be sent to a compile process."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.activation = lambda x: x
+
+
+def test_a_model_that_does_not_pickle_is_compiled_in_the_training_process(tmp_path):
+    torch.manual_seed(0)
+    eager, model = Unpicklable(), Unpicklable()
+    model.load_state_dict(eager.state_dict())
+    slipstream.compile(model, config=_cfg(tmp_path, strategies=("inductor",), background=True, measure_rounds=2))
+    ours, ref = _train_until_decided(model, eager, _batches(4))
+    report = slipstream.compile_report(model)
+    cand = next(c for c in report.candidates if c.name == "inductor")
+    assert cand.beside.startswith("not compiled beside training: the model does not pickle"), report.table()
+    assert cand.status in ("measured", "chosen") and cand.graphs >= 1 and cand.background_s is None, report.table()
+    torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-6)
+
+
+def test_a_candidate_goes_beside_training_where_that_is_expected_to_cost_training_less(monkeypatch):
+    from slipstream.core_compile.autotune import background, budget
+
+    prebuilds = background.Prebuilds(None, Net(), None)
+    s = next(s for s in strategy.STRATEGIES if s.name == "inductor")
+    priors = budget.Priors(rates={"model": [1.0]})  # 1 s per module: 10 modules, 10 s warm, 35 s cold
+    monkeypatch.setattr(torch, "get_num_threads", lambda: os.cpu_count())  # training's threads take every core
+    monkeypatch.setattr(strategy.Counter, "in_process", 0)
+    cost, _ = prebuilds.cost(s, priors, 10, None)  # the process's first compile: 35 s here, 26 s beside
+    assert cost == pytest.approx(35 * (background.WARM_SHARE + background.CONTENTION))
+    assert "inductor" in prebuilds.beside
+    prebuilds.beside.clear()
+    monkeypatch.setattr(strategy.Counter, "in_process", 3)
+    assert prebuilds.cost(s, priors, 10, None)[0] == 10 and not prebuilds.beside  # warm here: 10 s < 26 s
+    assert prebuilds.cost(s, priors, 10, False)[0] == 10 and not prebuilds.beside
+    prebuilds.failed.add("inductor")
+    assert prebuilds.cost(s, priors, 10, True)[0] == 10 and not prebuilds.beside  # it failed beside: here
+    prebuilds.failed.clear()
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    if (os.cpu_count() or 1) > 1:  # a spare core: only its warm compile here costs training
+        assert prebuilds.cost(s, priors, 10, None)[0] == pytest.approx(35 * background.WARM_SHARE)
+        assert "inductor" in prebuilds.beside
+
+
+def test_compiling_beside_training_is_off_where_it_cannot_help_or_was_turned_off(monkeypatch):
+    from torch._inductor import config as inductor_config
+
+    from slipstream.core_compile.autotune import background
+
+    cpu, model = torch.device("cpu"), Net()
+    assert background.wanted(None, model, cpu) is None and background.wanted(True, model, cpu) is None
+    assert "background=False" in background.wanted(False, model, cpu)
+    assert "off on cuda by default" in background.wanted(None, model, torch.device("cuda"))
+    monkeypatch.setattr(inductor_config, "fx_graph_cache", False)
+    assert "FX graph cache is disabled" in background.wanted(True, model, cpu)
+
 
 class Breaks(torch.nn.Module):
     def __init__(self) -> None:

@@ -12,7 +12,9 @@ its length is known):
    skipped and the default shape policy is measured as its dynamic variant) each candidate
    (``strategy.candidates``) whose expected compile time fits in what is left of the budget is
    compiled (the graph breaks are listed before the first) and checked against eager on the
-   step's batch (``check.compare``: loss and gradients), then runs ``warmup_steps`` steps;
+   step's batch (``check.compare``: loss and gradients), then runs ``warmup_steps`` steps. On
+   the CPU (``CompileConfig.background``) a process of its own compiles it first while the
+   steps run eagerly, so that its compile here loads inductor's kernels from the cache;
 3. the survivors, eager included, take turns for up to ``measure_rounds`` rounds of timed
    steps (interleaved, so a slow spell of the machine hits all of them); each step's time is
    divided by its batch's elements (lengths vary). From round two, a candidate the steps so far
@@ -39,7 +41,7 @@ from pathlib import Path
 import torch
 
 from . import cache as compile_cache
-from . import budget, check, diagnose, strategy
+from . import background, budget, check, diagnose, strategy
 from .agree import agree, rank
 from .config import Candidate, CompileConfig, CompileFallbackWarning, CompileReport
 
@@ -51,20 +53,6 @@ MARKER = "_slipstream_autotuner"
 _RECOMPILE_LIMIT = 64
 # a candidate whose fastest timed step is this many times eager's is not timed further
 PRUNE_FACTOR = 2.0
-
-
-def _why(e: BaseException) -> str:
-    """One line: the error, or for a backend's failure the backend's own error."""
-    lines = [line.strip() for line in str(e).splitlines() if line.strip() and not line.startswith("Set TORCHDYNAMO")]
-    if len(lines) > 1 and lines[0].endswith("raised:"):
-        return lines[1][:300]
-    return f"{type(e).__name__}: {lines[0] if lines else ''}"[:300]
-
-
-def _units(args, kwargs) -> int:
-    """Elements of the batch's first tensor: step times are compared per element."""
-    first = check._first_tensor(list(args) + list(kwargs.values()))
-    return max(first.numel(), 1) if first is not None else 1
 
 
 def _signature(args, kwargs) -> tuple:
@@ -103,6 +91,8 @@ class Autotuner:
         self.probe: float | None = None  # start of an eager step that times eager before the search
         self.cold: str | None = None  # the candidate compiled first in this process
         self.listed = False
+        self.background: str | None = None  # why no candidate may be compiled beside training; None: they may
+        self.prebuilds = background.Prebuilds(group, module, self.previous)  # candidates compiled beside training
         setattr(self, MARKER, True)
 
     # ------------------------------------------------------------------ the step
@@ -132,7 +122,7 @@ class Autotuner:
         self.first_signature = _signature(args, kwargs)
         first = check._first_tensor(list(args) + list(kwargs.values()))
         params = (p.device for p in self.module.parameters())
-        device = first.device if first is not None else next(params, torch.device("cpu"))
+        device = self.prebuilds.device = first.device if first is not None else next(params, torch.device("cpu"))
         self.hooked = strategy.has_forward_hooks(self.module)
         self.regions = strategy.hook_free_regions(strategy.repeated_blocks(self.module))
         if self.config.cache:
@@ -150,6 +140,8 @@ class Autotuner:
             self.by_name[self.config.strategy].reason = "named by CompileConfig.strategy: no search"
             return
         self.report.expected_steps = self.config.expected_steps
+        self.background = self.report.background = background.wanted(self.config.background, self.module, device,
+                                                                        self.group)
         for s in strategy.candidates(device.type, names=self.config.strategies, max_autotune=self.config.max_autotune,
                                      has_regions=bool(self.regions), has_hooks=self.hooked):
             self.by_name[s.name] = Candidate(s.name)
@@ -213,8 +205,15 @@ class Autotuner:
                 continue
             why = self._over_budget(s)
             if why:
+                self.prebuilds.stop(s.name)
                 self.by_name[s.name].status, self.by_name[s.name].reason = "skipped", why
                 continue
+            if s.name in self.prebuilds.beside and not self.prebuilds.ready(self.by_name[s.name], s, args, kwargs,
+                                                                            self.budget):
+                self.pending.appendleft(s)
+                if s.name in self.prebuilds.beside:  # compiling beside training: eager steps meanwhile
+                    return self.eager(*args, **kwargs)
+                continue  # it failed there: weighed again at its cost here
             if self.config.graph_breaks and not self.listed:  # listed once a compile is worth its cost
                 self.listed = True
                 if self.report.graph_count is None:  # not listed from compile()'s example
@@ -238,7 +237,7 @@ class Autotuner:
             self._decide()
             return self._run_chosen(args, kwargs)
         name = min(timed, key=lambda n: len(self.by_name[n].step_s))
-        self.timed = (name, now, _units(args, kwargs))
+        self.timed = (name, now, check.units(args, kwargs))
         return self._call(name, args, kwargs)
 
     def _shape_policy_skip(self, s: strategy.Strategy) -> str | None:
@@ -266,7 +265,8 @@ class Autotuner:
             self.report.eager_step_s = eager
             self.budget, self.report.budget_basis = budget.search_budget(self.config, eager)
             self.report.budget_s = self.budget
-        expected, source = self.priors.compile_s(s, self.modules[s.name][1], strategy.Counter.in_process == 0)
+        expected, source = self.prebuilds.cost(s, self.priors, self.modules[s.name][1],
+                                               False if self.background else self.config.background)
         elapsed = time.perf_counter() - self.search_start
         spent, expected = agree(self.group, [elapsed - (self.step - 1) * (self.report.eager_step_s or 0.0), expected])
         spent = max(spent, 0.0)
@@ -288,7 +288,7 @@ class Autotuner:
             cand.status, cand.reason = "rejected", f"mismatch: {e}"
             return False
         except Exception as e:  # noqa: BLE001 - a candidate that cannot compile is not chosen
-            cand.status, cand.reason = "failed", _why(e)
+            cand.status, cand.reason = "failed", diagnose.one_line(e)
             return False
         finally:
             cand.compile_s = time.perf_counter() - start
@@ -358,6 +358,7 @@ class Autotuner:
         if name not in self.by_name:
             self.by_name[name] = Candidate(name)
             self.report.candidates.append(self.by_name[name])
+        self.prebuilds.stop()
         for n, applied in list(self.built.items()):
             if n != name:
                 applied.deactivate()
@@ -381,7 +382,7 @@ class Autotuner:
             self.by_name[self.active].compile_s = time.perf_counter() - start
         except Exception as e:  # noqa: BLE001
             self._fall_back(f"{self.active!r} ({'cached' if self.report.from_cache else 'named'}) failed its check "
-                            f"against eager: {_why(e)}")
+                            f"against eager: {diagnose.one_line(e)}")
         self.graphs_at_choice = self.built[self.active].counter.graphs if self.active in self.built else 0
 
     def _run_chosen(self, args, kwargs):
@@ -394,7 +395,7 @@ class Autotuner:
                 self._check(name, args, kwargs)
             out = self._call(name, args, kwargs)
         except Exception as e:  # noqa: BLE001 - rerun eagerly: eager's own error, if any, is the user's
-            return self._fall_back(f"step {self.step}: {_why(e)}", args, kwargs)
+            return self._fall_back(f"step {self.step}: {diagnose.one_line(e)}", args, kwargs)
         self.by_name[name].graphs = self.built[name].counter.graphs
         new = self.built[name].counter.graphs - self.graphs_at_choice
         self.report.recompiles = new

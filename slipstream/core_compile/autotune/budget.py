@@ -131,9 +131,11 @@ def store_priors(directory: Path, key: dict, report, modules: dict, cold: str | 
     for c in report.candidates:
         if c.name == "eager" or c.status in ("pending", "skipped"):
             continue
-        priors.family[c.name] = {"compile_s": c.compile_s, "speedup": report.speedup(c.name), "status": c.status}
+        # compiled beside training first: its compile process's time is the cold figure
+        priors.family[c.name] = {"compile_s": c.background_s or c.compile_s, "speedup": report.speedup(c.name),
+                                 "status": c.status}
         scope, n = modules.get(c.name, (None, 0))
-        if c.status != "failed" and c.compile_s > 0 and n and c.name != cold:
+        if c.status != "failed" and c.compile_s > 0 and n and c.name != cold and not c.background_s:
             priors.rates[scope] = (priors.rates.get(scope, []) + [c.compile_s / n])[-MACHINE_SAMPLES:]
     compile_cache.store(directory, _family_key(key), {"winner": report.chosen, "candidates": priors.family})
     compile_cache.store(directory, _machine_key(key), {"rates": priors.rates})

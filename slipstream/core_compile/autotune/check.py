@@ -26,7 +26,7 @@ import copy
 
 import torch
 
-__all__ = ["FLOAT64_MAX_BYTES", "FLOOR_FACTOR", "TOLERANCES", "Mismatch", "compare", "float64_run"]
+__all__ = ["FLOAT64_MAX_BYTES", "FLOOR_FACTOR", "TOLERANCES", "Mismatch", "compare", "float64_run", "units"]
 
 # dtype -> (loss, gradients): |a-b| <= tol * max(|b|, tiny); ||ga-gb|| <= tol * ||gb||.
 TOLERANCES = {
@@ -167,3 +167,9 @@ def compare(model: torch.nn.Module, eager, candidate, args, kwargs, *, gradients
             raise Mismatch(f"{beyond}; against a float64 run: {what} {e:.2e} off, eager's {f:.2e} "
                            f"(> {FLOOR_FACTOR:g}x)")
     return grad_err
+
+
+def units(args, kwargs) -> int:
+    """Elements of the batch's first tensor: step times are compared per element."""
+    first = _first_tensor(list(args) + list(kwargs.values()))
+    return max(first.numel(), 1) if first is not None else 1

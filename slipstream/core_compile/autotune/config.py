@@ -35,6 +35,12 @@ class CompileConfig(Settings):
     budget_s: float = 600.0
     """Most seconds the search may cost, whatever the run's length (the budget when it is not
     known). A candidate whose expected compile time does not fit in what is left is skipped."""
+    background: bool | None = None
+    """Compile a candidate first in a process of its own while training goes on eagerly; its
+    compile in the training process then loads the kernels from inductor's cache
+    (``background``). True: every candidate; None: on a model on the CPU, a candidate where
+    that is expected to cost training less than compiling it in the training process (off on
+    CUDA, where the copy would take device memory); False: never."""
     warmup_steps: int = 1
     """Untimed steps of each candidate after its check (a first shape change recompiles)."""
     measure_rounds: int = 5
@@ -98,6 +104,10 @@ class Candidate:
     """Timed steps, seconds per element of the batch."""
     raw_s: list = field(default_factory=list)
     """Timed steps, seconds."""
+    background_s: float | None = None
+    """Seconds its compile process took, when it was compiled beside training first."""
+    beside: str = ""
+    """How it was compiled beside training, or why it was not."""
     score: float | None = None
     """What the choice compared: the median of ``step_s``, averaged over the ranks."""
 
@@ -129,6 +139,8 @@ class CompileReport:
     budget_s: float | None = None
     """What the search could cost (``budget.search_budget``), and ``budget_basis`` how it was set."""
     budget_basis: str = ""
+    background: str | None = None
+    """Why candidates were not compiled beside training; None when they were."""
     eager_step_s: float | None = None
     """Eager's seconds per step: its median in the timed rounds, else the faster of the run's
     second and third steps."""
@@ -194,8 +206,9 @@ class CompileReport:
             ms = f"{self.step_ms(c.name):.1f}" if c.step_s else "-"
             sp = self.speedup(c.name)
             rows.append(f"| {c.name} | {c.status} | {ms} | {f'{sp:.2f}x' if sp else '-'} | {c.compile_s:.1f} "
-                        f"| {c.graphs} | {c.reason} |")
-        lines = [head, self.cost_line(), *rows]
+                        f"| {c.graphs} | {'; '.join(filter(None, (c.reason, c.beside)))} |")
+        beside = "on" if self.background is None else self.background
+        lines = [head, f"{self.cost_line()}; compiled beside training: {beside}", *rows]
         if self.graph_count is not None:
             lines.append(f"graphs per step: {self.graph_count}; graph breaks: {len(self.graph_breaks)}")
             lines += [f"  - {b.where}: {b.reason}" for b in self.graph_breaks[:10]]
@@ -212,12 +225,13 @@ class CompileReport:
             "decided_at_step": self.decided_at_step, "search_s": self.search_s, "search_steps": self.search_steps,
             "overhead_s": self.overhead_s(), "fallback": self.fallback, "cache_file": self.cache_file,
             "expected_steps": self.expected_steps, "budget_s": self.budget_s, "budget_basis": self.budget_basis,
-            "eager_step_s": self.eager_step_s, "chosen_step_s": self.chosen_step_s(),
+            "background": self.background, "eager_step_s": self.eager_step_s, "chosen_step_s": self.chosen_step_s(),
             "break_even_step": self.break_even_step(),
             "graph_count": self.graph_count,
             "graph_breaks": [{"reason": b.reason, "where": b.where} for b in self.graph_breaks],
             "recompiles": self.recompiles, "recompile_reasons": list(self.recompile_reasons),
             "candidates": [{"name": c.name, "status": c.status, "reason": c.reason, "compile_s": c.compile_s,
-                            "graphs": c.graphs, "step_ms": self.step_ms(c.name),
+                            "background_s": c.background_s, "beside": c.beside, "graphs": c.graphs,
+                            "step_ms": self.step_ms(c.name),
                             "speedup": self.speedup(c.name)} for c in self.candidates],
         }

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["GraphBreak", "graph_breaks", "watch_recompiles"]
+__all__ = ["GraphBreak", "graph_breaks", "one_line", "watch_recompiles"]
 
 
 @dataclass(frozen=True)
@@ -78,3 +78,11 @@ def watch_recompiles(sink: list):
         recompiles_log.propagate = propagate
         if not was_on:
             log_state.artifact_names.discard("recompiles")
+
+
+def one_line(e: BaseException) -> str:
+    """One line: the error, or for a backend's failure the backend's own error."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip() and not line.startswith("Set TORCHDYNAMO")]
+    if len(lines) > 1 and lines[0].endswith("raised:"):
+        return lines[1][:300]
+    return f"{type(e).__name__}: {lines[0] if lines else ''}"[:300]

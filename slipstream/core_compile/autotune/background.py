@@ -1,0 +1,252 @@
+"""Candidates compiled beside training: a process of their own compiles them first.
+
+A separate process (``_prebuild``) loads a copy of the model and the step's batch, compiles a
+candidate with the training process's backend, threads and inductor settings, and runs one
+forward and backward, which fills inductor's on-disk caches (its FX graph and AOTAutograd
+caches). Training goes on eagerly meanwhile. The candidate's own compile in the training
+process then loads the generated kernels from those caches instead of generating them (BERT-mini
+on this 2-core CPU: 4 s instead of 37 s). The copy only warms caches: the training process still
+traces, compiles, checks and times its own graph, so a copy that differs (a patch made outside
+the model that the copy lacks) costs time, never a result.
+
+The process is started fresh, not forked: a child forked from a process whose OpenMP threads
+have run hung in its first parallel region (torch 2.13, CPU build, here). So the model goes
+to it pickled (``torch.save``); one that does not pickle (a class defined in ``__main__``, a
+hook holding a closure) is compiled in the training process as before, and the report says why.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import weakref
+
+import torch
+
+from .agree import agree
+from .strategy import Counter
+
+__all__ = ["CONTENTION", "MAX_MODEL_BYTES", "WARM_SHARE", "Prebuild", "Prebuilds", "expected_cost", "first_on_node",
+           "wanted"]
+
+WARM_SHARE = 0.25
+"""The training process's own compile of a candidate compiled beside it, as a share of a cold
+compile: BERT-mini's inductor forward and backward, 3.6-4.5 s from warm caches against 15 s
+cold after inductor's start-up (2-core x86 CPU, torch 2.13)."""
+CONTENTION = 0.5
+"""Share of the compile process's time that training loses when training's threads already
+use every core (a model on the CPU): the compile runs mostly on one core."""
+MAX_MODEL_BYTES = 4 << 30
+"""Models larger than this (parameters and buffers) are not copied to a compile process."""
+
+
+def wanted(choice: bool | None, module: torch.nn.Module, device: torch.device, group=None) -> str | None:
+    """Why no candidate may be compiled beside training (``CompileConfig.background``), or None
+    when they may; the ranks of ``group`` agree (one all-reduce). None (the default) means on
+    for a model on the CPU and off on CUDA (the copy would take device memory beside training)."""
+    why = _unwanted(choice, module, device)
+    if agree(group, [float(why is not None)])[0] and why is None:
+        return "off: not possible on another rank"
+    return why
+
+
+def _unwanted(choice: bool | None, module: torch.nn.Module, device: torch.device) -> str | None:
+    if choice is False:
+        return "off (CompileConfig.background=False)"
+    if choice is None and device.type != "cpu":
+        return f"off on {device.type} by default (CompileConfig.background=True turns it on)"
+    from torch._inductor import config as inductor_config
+
+    if not inductor_config.fx_graph_cache:
+        return "off: inductor's FX graph cache is disabled, so a compile elsewhere cannot help"
+    size = sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
+    if size > MAX_MODEL_BYTES:
+        return f"off: the model's {size / 2**30:.1f} GiB is over {MAX_MODEL_BYTES / 2**30:g} GiB to copy"
+    return None
+
+
+def first_on_node() -> bool:
+    """Whether this process starts the node's compile processes: its first local rank (torchrun's
+    ``LOCAL_RANK``), or any process without one. The node's ranks share inductor's cache."""
+    return os.environ.get("LOCAL_RANK", "0").strip() in ("", "0")
+
+
+def expected_cost(compile_s: float, device: torch.device) -> float:
+    """What a candidate expected to compile in ``compile_s`` cold costs training when compiled
+    beside it: its warm compile here, and on a CPU already busy with training, the cores the
+    compile process takes."""
+    busy = device.type == "cpu" and torch.get_num_threads() >= (os.cpu_count() or 1)
+    return compile_s * (WARM_SHARE + (CONTENTION if busy else 0.0))
+
+
+class Prebuild:
+    """One candidate compiled in a process of its own; ``poll`` says when it is done."""
+
+    __slots__ = ("name", "started", "took_s", "outcome", "polls", "result", "_proc", "_dir", "_finalizer",
+                 "__weakref__")
+
+    def __init__(self, name: str, proc: subprocess.Popen, directory: str) -> None:
+        self.name = name
+        self.started = time.perf_counter()
+        self.took_s: float | None = None  # seconds from start to done
+        self.outcome: str | None = None  # "ready", or why not; None while running
+        self.polls = 0  # polls while it ran: the autotuner polls once a step
+        self.result: dict = {}  # _prebuild's: graphs, and inductor graphs generated and loaded
+        self._proc, self._dir = proc, directory
+        self._finalizer = weakref.finalize(self, _stop, proc, directory)
+
+    @classmethod
+    def start(cls, module: torch.nn.Module, forward, strategy, args, kwargs, timeout_s: float) -> "Prebuild | str":
+        """Start compiling ``strategy`` on a copy of ``module`` whose ``forward`` is ``forward``
+        (the instance's own, None for the class's), or why it cannot be (a string)."""
+        directory = tempfile.mkdtemp(prefix="slipstream-prebuild-")
+        job = {"module": module, "strategy": strategy.name, "args": args, "kwargs": kwargs,
+               "threads": torch.get_num_threads(), "autocast": _autocast(), "timeout_s": timeout_s}
+        try:
+            with _forward_as(module, forward):
+                torch.save(job, os.path.join(directory, "job.pt"))
+        except Exception as e:  # noqa: BLE001 - an unpicklable model is compiled here, as before
+            shutil.rmtree(directory, ignore_errors=True)
+            return f"the model does not pickle for a compile process ({type(e).__name__}: {str(e)[:120]})"
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p and os.path.isdir(p)))
+        with open(os.path.join(directory, "log"), "w") as log:
+            proc = subprocess.Popen([sys.executable, "-m", "slipstream.core_compile.autotune._prebuild", directory],
+                                    stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                    start_new_session=True)
+        return cls(strategy.name, proc, directory)
+
+    def poll(self) -> str | None:
+        """None while compiling; then "ready", or why it failed."""
+        if self.outcome is None and self._proc.poll() is None:
+            self.polls += 1
+        elif self.outcome is None:
+            self.took_s = time.perf_counter() - self.started
+            done = os.path.join(self._dir, "done")
+            if self._proc.returncode == 0 and os.path.exists(done):
+                with open(done) as f:
+                    self.result = json.load(f)
+                self.outcome = "ready"
+            else:
+                self.outcome = f"the compile process failed (exit {self._proc.returncode}): {self._last_line()}"
+        return self.outcome
+
+    def close(self) -> None:
+        """Stop the process if it still runs, and delete its files."""
+        if self.outcome is None:
+            self.outcome = "stopped"
+            self.took_s = time.perf_counter() - self.started
+        self._finalizer()
+
+    def _last_line(self) -> str:
+        try:
+            with open(os.path.join(self._dir, "log")) as f:
+                lines = [line.strip() for line in f if line.strip()]
+        except OSError:
+            return "no output"
+        return lines[-1][:200] if lines else "no output"
+
+
+class Prebuilds:
+    """A search's compile processes, one per candidate, one per node (its first local rank
+    starts them; the node's ranks share inductor's cache)."""
+
+    def __init__(self, group, module: torch.nn.Module, forward) -> None:
+        self.group, self.module, self.forward = group, module, forward
+        self.device = torch.device("cpu")  # the model's, set at the first step
+        self.beside: set = set()  # the candidates to compile beside training
+        self.started: dict = {}  # name -> Prebuild, or why none runs here
+        self.failed: set = set()  # compiled beside training without success: compiled here
+
+    def cost(self, s, priors, modules: int, choice: bool | None) -> tuple[float, str]:
+        """(seconds ``s`` is expected to cost training, where the figure comes from), given
+        ``CompileConfig.background`` (``choice``; False where ``wanted`` said no). It is
+        compiled beside training (``beside``) when ``choice`` is True, or when None and that
+        is expected to cost less than compiling here; the ranks agree."""
+        cold, source = priors.compile_s(s, modules, True)  # a compile process starts cold
+        if s.name in self.started:
+            return cold * WARM_SHARE, f"{source}; its compile here after the one beside training"
+        here, source_here = priors.compile_s(s, modules, Counter.in_process == 0)
+        beside = expected_cost(cold, self.device)
+        if choice is False or s.name in self.failed or not agree(self.group, [float(choice or beside < here)])[0]:
+            return here, source_here
+        self.beside.add(s.name)
+        return beside, f"{source}; compiled beside training, its cost to training"
+
+    def ready(self, cand, s, args, kwargs, timeout_s: float) -> bool:
+        """Whether candidate ``cand`` (strategy ``s``) may compile in the training process now:
+        once the ranks agree that every compile process of it is done (its outcome in
+        ``cand.beside``). The first call starts this node's, on this step's batch. Where one
+        failed, False, and ``s`` is no longer in ``beside``: the search weighs it again at its
+        cost here."""
+        if s.name not in self.started:
+            self.started[s.name] = (Prebuild.start(self.module, self.forward, s, args, kwargs, timeout_s)
+                                    if first_on_node() else "compiled beside training by the node's first rank")
+        pre = self.started[s.name]
+        running = isinstance(pre, Prebuild) and pre.poll() is None
+        failed = not running and (pre.outcome != "ready" if isinstance(pre, Prebuild) else first_on_node())
+        running, failed = agree(self.group, [float(running), float(failed)])
+        if running:
+            return False
+        if isinstance(pre, Prebuild):
+            cand.background_s = pre.took_s
+            cand.beside = (f"compiled beside training first ({pre.took_s:.1f} s, {pre.result.get('generated')} "
+                           f"inductor graphs generated, {pre.result.get('loaded')} loaded from its cache; "
+                           f"{pre.polls} eager steps meanwhile)"
+                           if pre.outcome == "ready" else f"not compiled beside training: {pre.outcome}")
+        elif first_on_node():  # it could not start here
+            cand.beside = f"not compiled beside training: {pre}"
+        else:
+            cand.beside = "not compiled beside training: it failed on another rank" if failed else pre
+        self.stop(s.name)
+        if failed:
+            self.beside.discard(s.name)
+            self.failed.add(s.name)
+            del self.started[s.name]
+            cand.background_s = None
+            return False
+        return True
+
+    def stop(self, name: str | None = None) -> None:
+        """Stop ``name``'s compile process (None: every one)."""
+        for n, pre in self.started.items():
+            if isinstance(pre, Prebuild) and name in (None, n):
+                pre.close()
+
+
+def _stop(proc: subprocess.Popen, directory: str) -> None:
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+def _autocast() -> dict:
+    """The autocast state the step runs under, per device type (it shapes the traced graph)."""
+    return {d: torch.get_autocast_dtype(d) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)}
+
+
+@contextlib.contextmanager
+def _forward_as(module: torch.nn.Module, forward):
+    """``module.forward`` is ``forward`` inside (None: the class's), the autotuner's wrapper put
+    back after: the copy is the model as it was before ``slipstream.compile``."""
+    had = "forward" in vars(module)
+    mine = vars(module).get("forward")
+    if forward is None:
+        vars(module).pop("forward", None)
+    else:
+        module.forward = forward
+    try:
+        yield
+    finally:
+        if had:
+            module.forward = mine
+        else:
+            vars(module).pop("forward", None)
