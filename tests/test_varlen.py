@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import copy
+import os
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -141,6 +144,23 @@ def test_unpatch_restores_the_model_bit_for_bit():
     for k, v in model.state_dict().items():
         assert torch.equal(v, before_state[k]), k
     assert torch.equal(model(input_ids=ids, attention_mask=mask).logits, before_logits)
+
+
+def test_a_patched_model_pickles_and_its_copy_runs_packed_in_a_new_process(tmp_path):
+    """What a compile process does with the model (``CompileConfig.background``): the copy finds
+    its attention function registered and gives this process's loss, bit for bit."""
+    model = apply_varlen(_model())
+    ids, mask, _ = _padded([6, 3, 9])
+    loss = model(input_ids=ids, attention_mask=mask, labels=ids).loss
+    torch.save({"model": model, "ids": ids, "mask": mask}, tmp_path / "model.pt")
+    code = ("import sys, torch; job = torch.load(sys.argv[1], weights_only=False); m = job['model']; "
+            "print(m.config._attn_implementation, "
+            "m(input_ids=job['ids'], attention_mask=job['mask'], labels=job['ids']).loss.item().hex())")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "model.pt")], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == [model.config._attn_implementation, loss.item().hex()], out.stdout
 
 
 def test_context_manager_patches_and_restores():

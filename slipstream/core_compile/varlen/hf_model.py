@@ -23,7 +23,7 @@ transformers is imported lazily: this module works on the model object, duck-typ
 from __future__ import annotations
 
 import contextlib
-import types
+import functools
 import weakref
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -79,6 +79,20 @@ class _PatchState:
     original_attn_implementation: str | None
     attn_name: str = ATTENTION_NAME
 
+    def __setstate__(self, state: dict) -> None:
+        """A patched model unpickled in another process (a compile process) finds its attention."""
+        self.__dict__.update(state)
+        _register(self.attn_name)
+
+
+def _register(attn_name: str) -> None:
+    """Register ``attn_name``'s attention function with transformers, once per process."""
+    from transformers import AttentionInterface
+
+    if attn_name not in AttentionInterface._global_mapping:
+        compiled = attn_name == ATTENTION_NAME_COMPILED
+        AttentionInterface.register(attn_name, torch.compiler.disable(_hf_attention) if compiled else _hf_attention)
+
 
 def is_patched(model: torch.nn.Module) -> bool:
     return _MARKER in vars(model)
@@ -129,16 +143,11 @@ def apply(model: torch.nn.Module, config: VarlenConfig | None = None) -> torch.n
             raise ValueError("model is already patched with a different VarlenConfig; unpatch it first")
         return model
     _check_supported(model)
-    from transformers import AttentionInterface
-
-    if ATTENTION_NAME not in AttentionInterface._global_mapping:
-        AttentionInterface.register(ATTENTION_NAME, _hf_attention)
     attn_name = ATTENTION_NAME
     if config.compile:
         fuse_layers(model.model.layers)  # first: it raises before changing anything
         attn_name = ATTENTION_NAME_COMPILED
-        if attn_name not in AttentionInterface._global_mapping:
-            AttentionInterface.register(attn_name, torch.compiler.disable(_hf_attention))
+    _register(attn_name)
     wrapped = "forward" in vars(model)  # by accelerate, TRL's fused LM head, another patch: kept
     state = _PatchState(config=config, original_forward=None if wrapped else model.forward,
                         original_backbone_forward=model.model.forward,
@@ -146,9 +155,11 @@ def apply(model: torch.nn.Module, config: VarlenConfig | None = None) -> torch.n
     model.config._attn_implementation = attn_name
     setattr(model, _MARKER, state)
     setattr(model.model, _MARKER, state)
-    patch(model.model, "forward", types.MethodType(_varlen_backbone_forward, model.model), owner=_OWNER)
+    # partial, not a bound method: a copy of the model pickles (a bound method pickles by its
+    # function's name, which the instance does not have)
+    patch(model.model, "forward", functools.partial(_varlen_backbone_forward, model.model), owner=_OWNER)
     if not wrapped:
-        patch(model, "forward", types.MethodType(_varlen_forward, model), owner=_OWNER)
+        patch(model, "forward", functools.partial(_varlen_forward, model), owner=_OWNER)
     ref = weakref.ref(model)
     change((_OWNER, id(model)), f"{type(model).__name__}: padding removed, attention {attn_name}",
            lambda: ref() is not None and unpatch(ref()), owner=_OWNER, target=model)
