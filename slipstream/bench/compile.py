@@ -41,7 +41,10 @@ from slipstream.cluster.worker import flags
 from .report import emit, page, table
 from .workers.compile import BERT_SIZES, WORKLOADS
 
-__all__ = ["GOALS", "add_arguments", "run"]
+__all__ = ["BACKGROUND", "GOALS", "add_arguments", "run"]
+
+BACKGROUND = {"auto": None, "on": True, "off": False}
+"""``--background`` -> ``CompileConfig.background``."""
 
 GOALS = {"run_eager_chosen": 1.03, "run_candidate_chosen": 1.00, "search_share": 0.10, "speedup": 1.3,
          "speedup_models": 2}
@@ -60,6 +63,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=8, help="images, sequences or samples per step (default 8)")
     parser.add_argument("--budget-s", type=float, default=600.0, help="CompileConfig.budget_s (default 600)")
     parser.add_argument("--strategies", help="CompileConfig.strategies, comma-separated (default: all that apply)")
+    parser.add_argument("--background", default="auto", choices=list(BACKGROUND),
+                        help="CompileConfig.background: auto (None, the default), on (True), off (False)")
     parser.add_argument("--image-size", type=int, default=64, help="ResNet-50 image side (default 64)")
     parser.add_argument("--resnet-width", type=int, default=64, help="ResNet-50 base width (default 64, ResNet-50's)")
     parser.add_argument("--bert-size", default="mini", choices=list(BERT_SIZES),
@@ -76,7 +81,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _command(args: argparse.Namespace) -> str:
     parts = ["slipstream bench compile", *flags(args, "models", "device", "steps", "expected_steps", "batch_size"),
-             f"--budget-s {args.budget_s:g}", *flags(args, "strategies")]
+             f"--budget-s {args.budget_s:g}", *flags(args, "strategies"),
+             *(["--background", args.background] if args.background != "auto" else [])]
     models = args.models.split(",")
     for model, names in (("resnet50", ("image_size", "resnet_width")), ("bert", ("bert_size", "seq_len")),
                          ("llama", ("llama_model", "data"))):
@@ -87,6 +93,7 @@ def _command(args: argparse.Namespace) -> str:
 def _job(args: argparse.Namespace, model: str, device: str) -> dict:
     return {"model": model, "device": device, "steps": args.steps, "expected_steps": args.expected_steps,
             "batch_size": args.batch_size, "budget_s": args.budget_s, "seed": args.seed,
+            "background": BACKGROUND[args.background],
             "strategies": args.strategies.split(",") if args.strategies else None,
             "image_size": args.image_size, "resnet_width": args.resnet_width, "bert_size": args.bert_size,
             "seq_len": args.seq_len, "llama_model": args.llama_model, "data": args.data}
@@ -154,7 +161,7 @@ def _candidate_rows(records: list[dict]) -> list[str]:
     rows = [[r["model"], r["device"], c["name"], c["status"],
              f"{c['step_ms']:.1f}" if c["step_ms"] is not None else "-",
              f"{c['speedup']:.2f}x" if c["speedup"] is not None else "-", f"{c['compile_s']:.1f}", c["graphs"],
-             c["reason"].replace("|", "/")[:160]]
+             "; ".join(filter(None, (c["reason"], c.get("beside")))).replace("|", "/")[:240]]
             for r in records for c in r.get("report", {}).get("candidates", [])]
     return table(["model", "device", "strategy", "status", "step ms", "vs eager", "compile s", "graphs", "note"],
                  "llllrrrrl", rows)

@@ -161,6 +161,7 @@ def measure(job: dict) -> dict:
     del warm, warm_opt
     expected = job["expected_steps"] if job["expected_steps"] is not None else job["steps"]
     config = CompileConfig(cache=False, verbose=False, budget_s=job["budget_s"], expected_steps=expected or None,
+                           background=job.get("background"),
                            strategies=tuple(job["strategies"]) if job["strategies"] else None)
     slipstream.compile(tuned, config=config)
     runs = {"eager": (eager, w.optimizer(eager), []), "tuned": (tuned, w.optimizer(tuned), [])}
