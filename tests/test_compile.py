@@ -508,6 +508,9 @@ def test_a_candidate_goes_beside_training_where_that_is_expected_to_cost_trainin
     cost, _ = prebuilds.cost(s, priors, 10, None)  # the process's first compile: 35 s here, 26 s beside
     assert cost == pytest.approx(35 * (background.WARM_SHARE + background.CONTENTION))
     assert "inductor" in prebuilds.beside
+    dynamic = next(s for s in strategy.STRATEGIES if s.name == "inductor-dynamic")
+    assert prebuilds.cost(dynamic, priors, 10, None)[0] == 35 and "inductor-dynamic" not in prebuilds.beside
+    assert prebuilds.cost(dynamic, priors, 10, True)[0] < 35 and "inductor-dynamic" in prebuilds.beside
     prebuilds.beside.clear()
     monkeypatch.setattr(strategy.Counter, "in_process", 3)
     assert prebuilds.cost(s, priors, 10, None)[0] == 10 and not prebuilds.beside  # warm here: 10 s < 26 s

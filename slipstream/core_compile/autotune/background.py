@@ -168,13 +168,18 @@ class Prebuilds:
         """(seconds ``s`` is expected to cost training, where the figure comes from), given
         ``CompileConfig.background`` (``choice``; False where ``wanted`` said no). It is
         compiled beside training (``beside``) when ``choice`` is True, or when None and that
-        is expected to cost less than compiling here; the ranks agree."""
+        is expected to cost less than compiling here, for static shapes only; the ranks agree.
+
+        Dynamic shapes: the two processes named the symbolic sizes differently (llama-20m
+        varlen, inductor-dynamic: ``s16`` here, ``s69`` there), so 2 of its 8 inductor graphs
+        missed the cache and its compile here still took 61-75 s against 85-105 s cold."""
         cold, source = priors.compile_s(s, modules, True)  # a compile process starts cold
         if s.name in self.started:
             return cold * WARM_SHARE, f"{source}; its compile here after the one beside training"
         here, source_here = priors.compile_s(s, modules, Counter.in_process == 0)
         beside = expected_cost(cold, self.device)
-        if choice is False or s.name in self.failed or not agree(self.group, [float(choice or beside < here)])[0]:
+        worth = choice or (choice is None and not s.dynamic and beside < here)
+        if choice is False or s.name in self.failed or not agree(self.group, [float(worth)])[0]:
             return here, source_here
         self.beside.add(s.name)
         return beside, f"{source}; compiled beside training, its cost to training"
