@@ -82,8 +82,12 @@ def expected_cost(compile_s: float, device: torch.device) -> float:
     """What a candidate expected to compile in ``compile_s`` cold costs training when compiled
     beside it: its warm compile here, and on a CPU already busy with training, the cores the
     compile process takes."""
-    busy = device.type == "cpu" and torch.get_num_threads() >= (os.cpu_count() or 1)
-    return compile_s * (WARM_SHARE + (CONTENTION if busy else 0.0))
+    return compile_s * (WARM_SHARE + (CONTENTION if _busy(device) else 0.0))
+
+
+def _busy(device: torch.device) -> bool:
+    """Whether training on ``device`` already keeps every core busy (its threads on the CPU)."""
+    return device.type == "cpu" and torch.get_num_threads() >= (os.cpu_count() or 1)
 
 
 class Prebuild:
@@ -116,6 +120,8 @@ class Prebuild:
             shutil.rmtree(directory, ignore_errors=True)
             return f"the model does not pickle for a compile process ({type(e).__name__}: {str(e)[:120]})"
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p and os.path.isdir(p)))
+        if _busy(torch.device("cpu")):  # no core to spare: one compile thread (inductor's default is one per core)
+            env["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
         with open(os.path.join(directory, "log"), "w") as log:
             proc = subprocess.Popen([sys.executable, "-m", "slipstream.core_compile.autotune._prebuild", directory],
                                     stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
