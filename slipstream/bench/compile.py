@@ -63,6 +63,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=8, help="images, sequences or samples per step (default 8)")
     parser.add_argument("--budget-s", type=float, default=600.0, help="CompileConfig.budget_s (default 600)")
     parser.add_argument("--strategies", help="CompileConfig.strategies, comma-separated (default: all that apply)")
+    parser.add_argument("--threads", type=int,
+                        help="torch threads of each model's process (default: torch's own, one per core); "
+                             "fewer than the cores leaves one to a compile process (--background)")
     parser.add_argument("--background", default="auto", choices=list(BACKGROUND),
                         help="CompileConfig.background: auto (None, the default), on (True), off (False)")
     parser.add_argument("--image-size", type=int, default=64, help="ResNet-50 image side (default 64)")
@@ -80,7 +83,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _command(args: argparse.Namespace) -> str:
-    parts = ["slipstream bench compile", *flags(args, "models", "device", "steps", "expected_steps", "batch_size"),
+    parts = ["slipstream bench compile", *flags(args, "models", "device", "steps", "expected_steps", "batch_size",
+                                                 "threads"),
              f"--budget-s {args.budget_s:g}", *flags(args, "strategies"),
              *(["--background", args.background] if args.background != "auto" else [])]
     models = args.models.split(",")
@@ -93,7 +97,7 @@ def _command(args: argparse.Namespace) -> str:
 def _job(args: argparse.Namespace, model: str, device: str) -> dict:
     return {"model": model, "device": device, "steps": args.steps, "expected_steps": args.expected_steps,
             "batch_size": args.batch_size, "budget_s": args.budget_s, "seed": args.seed,
-            "background": BACKGROUND[args.background],
+            "background": BACKGROUND[args.background], "threads": args.threads,
             "strategies": args.strategies.split(",") if args.strategies else None,
             "image_size": args.image_size, "resnet_width": args.resnet_width, "bert_size": args.bert_size,
             "seq_len": args.seq_len, "llama_model": args.llama_model, "data": args.data}

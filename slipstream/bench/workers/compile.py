@@ -139,6 +139,8 @@ def measure(job: dict) -> dict:
     import slipstream
     from slipstream import CompileConfig
 
+    if job.get("threads"):
+        torch.set_num_threads(job["threads"])
     device = torch.device(job["device"])
     w = WORKLOADS[job["model"]](job, device)
     warm, eager, tuned = w.build(), w.build(), w.build()

@@ -40,9 +40,12 @@ WARM_SHARE = 0.25
 """The training process's own compile of a candidate compiled beside it, as a share of a cold
 compile: BERT-mini's inductor forward and backward, 3.6-4.5 s from warm caches against 15 s
 cold after inductor's start-up (2-core x86 CPU, torch 2.13)."""
-CONTENTION = 0.5
-"""Share of the compile process's time that training loses when training's threads already
-use every core (a model on the CPU): the compile runs mostly on one core."""
+CONTENTION = 1.1
+"""Seconds training loses per second of the compile process when training's threads already
+use every core (a model on the CPU). Measured on 2 cores, BERT-mini (``slipstream bench
+compile --models bert --expected-steps 0``): eager steps took 1.3-4.9 s beside it against
+0.18 s, at nice 0 and at nice 19 alike; the search cost 45 s with the compile process (38-40 s)
+against 27-29 s compiling in the loop. So there it is never expected to pay."""
 MAX_MODEL_BYTES = 4 << 30
 """Models larger than this (parameters and buffers) are not copied to a compile process."""
 
