@@ -202,7 +202,8 @@ def _report(records: list[dict], devices: list[str], command: str) -> str:
     notes = ["cold compiles: each model in a fresh process with an empty TORCHINDUCTOR_CACHE_DIR; "
              "CompileConfig(cache=False) and an empty SLIPSTREAM_COMPILE_DIR (no decision reused)",
              "run s: the sum of a whole run's steps (forward + backward + optimizer step), on the same batches: "
-             "eager's first half, the compile-on run, eager's second half; run ratio: compile-on / eager; steps after the choice: median of "
+             "eager's first half, the compile-on run, eager's second half; run ratio: compile-on / eager; "
+             "steps after the choice: median of "
              "eager / chosen step time over the pairs after the choice; search cost: the search's steps' time "
              "beyond the same eager steps, its share of the eager run; pays back at step: the report's "
              "break-even (- where eager is chosen)"]
