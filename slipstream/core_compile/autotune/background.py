@@ -5,7 +5,7 @@ candidate with the training process's backend, threads and inductor settings, an
 forward and backward, which fills inductor's on-disk caches (its FX graph and AOTAutograd
 caches). Training goes on eagerly meanwhile. The candidate's own compile in the training
 process then loads the generated kernels from those caches instead of generating them (BERT-mini
-on this 2-core CPU: 4 s instead of 37 s). The copy only warms caches: the training process still
+on a 2-core CPU: 3.3 s instead of 22-24 s). The copy only warms caches: the training process still
 traces, compiles, checks and times its own graph, so a copy that differs (a patch made outside
 the model that the copy lacks) costs time, never a result.
 
@@ -38,14 +38,16 @@ __all__ = ["CONTENTION", "MAX_MODEL_BYTES", "WARM_SHARE", "Prebuild", "Prebuilds
 
 WARM_SHARE = 0.25
 """The training process's own compile of a candidate compiled beside it, as a share of a cold
-compile: BERT-mini's inductor forward and backward, 3.6-4.5 s from warm caches against 15 s
-cold after inductor's start-up (2-core x86 CPU, torch 2.13)."""
+compile. BERT-mini on 2 cores: inductor 3.1-3.4 s from the cache against 22-24 s cold (0.14),
+its regions 0.9 s against 3.3-3.7 s (0.26)."""
 CONTENTION = 1.1
 """Seconds training loses per second of the compile process when training's threads already
 use every core (a model on the CPU). Measured on 2 cores, BERT-mini (``slipstream bench
 compile --models bert --expected-steps 0``): eager steps took 1.3-4.9 s beside it against
 0.18 s, at nice 0 and at nice 19 alike; the search cost 45 s with the compile process (38-40 s)
-against 27-29 s compiling in the loop. So there it is never expected to pay."""
+against 27-29 s compiling in the loop. So there it is never expected to pay. With a core to
+spare (1 torch thread) the steps beside it kept their 0.30-0.32 s and the search cost 6.6 s
+against 27.9 s (benchmarks/results/compile-beside_epyc-2core-kvm_2026-11-26.md)."""
 MAX_MODEL_BYTES = 4 << 30
 """Models larger than this (parameters and buffers) are not copied to a compile process."""
 
@@ -181,7 +183,8 @@ class Prebuilds:
 
         Dynamic shapes: the two processes named the symbolic sizes differently (llama-20m
         varlen, inductor-dynamic: ``s16`` here, ``s69`` there), so 2 of its 8 inductor graphs
-        missed the cache and its compile here still took 61-75 s against 85-105 s cold."""
+        missed the cache and its compile here still took 61-75 s against 85-105 s cold
+        (benchmarks/results/compile-beside_epyc-2core-kvm_2026-11-26.md)."""
         cold, source = priors.compile_s(s, modules, True)  # a compile process starts cold
         if s.name in self.started:
             return cold * WARM_SHARE, f"{source}; its compile here after the one beside training"
