@@ -529,7 +529,7 @@ def test_a_candidate_goes_beside_training_where_that_is_expected_to_cost_trainin
         assert "inductor" in prebuilds.beside
 
 
-def test_compiling_beside_training_is_off_where_it_cannot_help_or_was_turned_off(monkeypatch):
+def test_compiling_beside_training_is_off_where_it_cannot_help_or_was_turned_off():
     from torch._inductor import config as inductor_config
 
     from slipstream.core_compile.autotune import background
@@ -538,8 +538,9 @@ def test_compiling_beside_training_is_off_where_it_cannot_help_or_was_turned_off
     assert background.wanted(None, model, cpu) is None and background.wanted(True, model, cpu) is None
     assert "background=False" in background.wanted(False, model, cpu)
     assert "off on cuda by default" in background.wanted(None, model, torch.device("cuda"))
-    monkeypatch.setattr(inductor_config, "fx_graph_cache", False)
-    assert "FX graph cache is disabled" in background.wanted(True, model, cpu)
+    with inductor_config.patch(fx_graph_cache=False):  # its own undo: monkeypatch's deletes the setting
+        assert "FX graph cache is disabled" in background.wanted(True, model, cpu)
+    assert inductor_config.fx_graph_cache
 
 
 class Breaks(torch.nn.Module):

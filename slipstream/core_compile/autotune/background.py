@@ -112,9 +112,12 @@ class Prebuild:
         self._finalizer = weakref.finalize(self, _stop, proc, directory)
 
     @classmethod
-    def start(cls, module: torch.nn.Module, forward, strategy, args, kwargs, timeout_s: float) -> "Prebuild | str":
+    def start(cls, module: torch.nn.Module, forward, strategy, args, kwargs, timeout_s: float,
+              busy: bool) -> "Prebuild | str":
         """Start compiling ``strategy`` on a copy of ``module`` whose ``forward`` is ``forward``
-        (the instance's own, None for the class's), or why it cannot be (a string)."""
+        (the instance's own, None for the class's), or why it cannot be (a string). ``busy``:
+        training's threads take every core, so the compile takes one thread (inductor's default
+        is one per core)."""
         directory = tempfile.mkdtemp(prefix="slipstream-prebuild-")
         job = {"module": module, "strategy": strategy.name, "args": args, "kwargs": kwargs,
                "threads": torch.get_num_threads(), "autocast": _autocast(), "timeout_s": timeout_s}
@@ -125,7 +128,7 @@ class Prebuild:
             shutil.rmtree(directory, ignore_errors=True)
             return f"the model does not pickle for a compile process ({type(e).__name__}: {str(e)[:120]})"
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p and os.path.isdir(p)))
-        if _busy(torch.device("cpu")):  # no core to spare: one compile thread (inductor's default is one per core)
+        if busy:
             env["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
         with open(os.path.join(directory, "log"), "w") as log:
             proc = subprocess.Popen([sys.executable, "-m", "slipstream.core_compile.autotune._prebuild", directory],
@@ -203,7 +206,8 @@ class Prebuilds:
         failed, False, and ``s`` is no longer in ``beside``: the search weighs it again at its
         cost here."""
         if s.name not in self.started:
-            self.started[s.name] = (Prebuild.start(self.module, self.forward, s, args, kwargs, timeout_s)
+            self.started[s.name] = (Prebuild.start(self.module, self.forward, s, args, kwargs, timeout_s,
+                                                   _busy(self.device))
                                     if first_on_node() else "compiled beside training by the node's first rank")
         pre = self.started[s.name]
         running = isinstance(pre, Prebuild) and pre.poll() is None
