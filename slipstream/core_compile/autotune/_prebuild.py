@@ -26,6 +26,7 @@ def _watch(parent: int, deadline: float) -> None:
 
 
 def main(directory: str) -> int:
+    parent = os.getppid()  # before the imports and the load: a parent gone meanwhile is seen too
     import torch
 
     from . import check, strategy
@@ -33,7 +34,7 @@ def main(directory: str) -> int:
     # the lowest priority: training's threads come first, the compile takes what they leave
     os.nice(19)
     job = torch.load(os.path.join(directory, "job.pt"), weights_only=False)
-    threading.Thread(target=_watch, args=(os.getppid(), time.monotonic() + job["timeout_s"]), daemon=True).start()
+    threading.Thread(target=_watch, args=(parent, time.monotonic() + job["timeout_s"]), daemon=True).start()
     torch.set_num_threads(job["threads"])  # inductor's CPU kernels and its cache key follow it
     module = job["module"]
     chosen = next(s for s in strategy.STRATEGIES if s.name == job["strategy"])
