@@ -1,11 +1,11 @@
-"""The compile process of ``background``: ``python -m slipstream.core_compile.autotune._prebuild DIR``.
+"""The compile process of ``background``: ``python -m slipstream.core_compile.autotune._prebuild DIR PID``.
 
 Loads ``DIR/job.pt`` (the model, the strategy's name, a batch, the training process's thread
 count and autocast state), compiles the strategy as the training process does
 (``strategy.build``), runs one forward and one backward (``torch.autograd.grad``: the backward
 graph compiles too), writes ``DIR/done`` (its graphs, and how many inductor generated or
-loaded from its cache) and exits 0. It exits on its own once its parent is
-gone or ``timeout_s`` has passed.
+loaded from its cache) and waits to be stopped. It exits on its own once its parent is gone
+(removing ``DIR``) or, still compiling, once ``timeout_s`` has passed.
 """
 
 from __future__ import annotations
@@ -13,20 +13,23 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import sys
 import threading
 import time
 
 
-def _watch(parent: int, deadline: float) -> None:
-    """End this process when the training process is gone or the time is up."""
-    while os.getppid() == parent and time.monotonic() < deadline:
+def _watch(parent: int, deadline: float, directory: str, finished: threading.Event) -> None:
+    """End this process when the training process is gone (then remove ``directory``: nobody
+    else will, as when a rank ends with ``os._exit``) or, before ``finished``, the time is up."""
+    while os.getppid() == parent and (finished.is_set() or time.monotonic() < deadline):
         time.sleep(0.5)
-    os._exit(3)
+    if os.getppid() != parent:
+        shutil.rmtree(directory, ignore_errors=True)
+    os._exit(0 if finished.is_set() else 3)
 
 
-def main(directory: str) -> int:
-    parent = os.getppid()  # before the imports and the load: a parent gone meanwhile is seen too
+def main(directory: str, parent: int) -> int:
     import torch
 
     from . import check, strategy
@@ -34,7 +37,9 @@ def main(directory: str) -> int:
     # the lowest priority: training's threads come first, the compile takes what they leave
     os.nice(19)
     job = torch.load(os.path.join(directory, "job.pt"), weights_only=False)
-    threading.Thread(target=_watch, args=(parent, time.monotonic() + job["timeout_s"]), daemon=True).start()
+    finished = threading.Event()
+    threading.Thread(target=_watch, args=(parent, time.monotonic() + job["timeout_s"], directory, finished),
+                     daemon=True).start()
     torch.set_num_threads(job["threads"])  # inductor's CPU kernels and its cache key follow it
     module = job["module"]
     chosen = next(s for s in strategy.STRATEGIES if s.name == job["strategy"])
@@ -54,10 +59,14 @@ def main(directory: str) -> int:
     result = {"graphs": applied.counter.graphs, "backend_s": applied.counter.seconds,
               "generated": cache["fxgraph_cache_miss"], "loaded": cache["fxgraph_cache_hit"]}
     print(json.dumps(result), flush=True)
-    with open(os.path.join(directory, "done"), "w") as f:
+    with open(os.path.join(directory, "done.tmp"), "w") as f:
         json.dump(result, f)
-    return 0
+    os.rename(os.path.join(directory, "done.tmp"), os.path.join(directory, "done"))
+    finished.set()
+    while True:  # until the training process stops it, or is gone (_watch)
+        time.sleep(3600)
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    # the parent's pid from the parent: one gone before this process looked is seen too
+    sys.exit(main(sys.argv[1], int(sys.argv[2])))

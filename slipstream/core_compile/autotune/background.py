@@ -131,24 +131,27 @@ class Prebuild:
         if busy:
             env["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
         with open(os.path.join(directory, "log"), "w") as log:
-            proc = subprocess.Popen([sys.executable, "-m", "slipstream.core_compile.autotune._prebuild", directory],
+            proc = subprocess.Popen([sys.executable, "-m", "slipstream.core_compile.autotune._prebuild", directory,
+                                     str(os.getpid())],
                                     stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                                     start_new_session=True)
         return cls(strategy.name, proc, directory)
 
     def poll(self) -> str | None:
         """None while compiling; then "ready", or why it failed."""
-        if self.outcome is None and self._proc.poll() is None:
+        if self.outcome is not None:
+            return self.outcome
+        done = os.path.join(self._dir, "done")  # written whole (renamed into place); the process then waits
+        if os.path.exists(done):
+            with open(done) as f:
+                self.result = json.load(f)
+            self.outcome = "ready"
+        elif self._proc.poll() is not None:
+            self.outcome = f"the compile process failed (exit {self._proc.returncode}): {self._last_line()}"
+        else:
             self.polls += 1
-        elif self.outcome is None:
-            self.took_s = time.perf_counter() - self.started
-            done = os.path.join(self._dir, "done")
-            if self._proc.returncode == 0 and os.path.exists(done):
-                with open(done) as f:
-                    self.result = json.load(f)
-                self.outcome = "ready"
-            else:
-                self.outcome = f"the compile process failed (exit {self._proc.returncode}): {self._last_line()}"
+            return None
+        self.took_s = time.perf_counter() - self.started
         return self.outcome
 
     def close(self) -> None:
