@@ -98,11 +98,10 @@ def _busy(device: torch.device) -> bool:
 class Prebuild:
     """One candidate compiled in a process of its own; ``poll`` says when it is done."""
 
-    __slots__ = ("name", "started", "took_s", "outcome", "polls", "result", "_proc", "_dir", "_finalizer",
+    __slots__ = ("started", "took_s", "outcome", "polls", "result", "_proc", "_dir", "_finalizer",
                  "__weakref__")
 
-    def __init__(self, name: str, proc: subprocess.Popen, directory: str) -> None:
-        self.name = name
+    def __init__(self, proc: subprocess.Popen, directory: str) -> None:
         self.started = time.perf_counter()
         self.took_s: float | None = None  # seconds from start to done
         self.outcome: str | None = None  # "ready", or why not; None while running
@@ -135,7 +134,7 @@ class Prebuild:
                                      str(os.getpid())],
                                     stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                                     start_new_session=True)
-        return cls(strategy.name, proc, directory)
+        return cls(proc, directory)
 
     def poll(self) -> str | None:
         """None while compiling; then "ready", or why it failed."""
