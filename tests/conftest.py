@@ -3,6 +3,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -46,13 +47,19 @@ def _gone(pid: int) -> bool:
 
 
 def _left_behind() -> set[str]:
-    """What the suite must never leave: slipstream's shared-memory segments and emulated
-    clusters' namespaces whose creating process is gone (or is this one), and torch extension
-    build locks."""
+    """What the suite must never leave: slipstream's shared-memory segments, emulated clusters'
+    namespaces and temporary directories whose creating process is gone (or is this one), torch
+    extension build locks, and torch.distributed.run's log directories (compared with the
+    run's start by the caller)."""
     from slipstream.core_comm.collectives.segment import SHM_DIR
     from slipstream.plugins.deepspeed.build_lock import lock_files
 
     found = {f"build lock {path}" for path in lock_files()}
+    tmp = tempfile.gettempdir()
+    for n in os.listdir(tmp):
+        m = re.match(r"slipstream-\w+-(\d+)-", n)
+        if n.startswith("torchelastic_") or (m and _gone(int(m[1]))):
+            found.add(f"directory {tmp}/{n}")
     names = os.listdir(SHM_DIR) if os.path.isdir(SHM_DIR) else []
     found |= {f"segment {SHM_DIR}/{n}" for n in names if (m := re.match(r"slipstream-(\d+)-", n)) and _gone(int(m[1]))}
     if shutil.which("ip") and os.geteuid() == 0:
@@ -67,7 +74,7 @@ def pytest_sessionstart(session):
 
 
 def pytest_sessionfinish(session, exitstatus):
-    """Fail the run when it left a segment, a namespace or a build lock behind."""
+    """Fail the run when it left a segment, a namespace, a directory or a build lock behind."""
     left = _left_behind() - session.config.stash.get(_BEFORE, set())
     if left:
         sys.__stderr__.write("\nthe tests left behind (the run fails):\n" + "".join(f"  {x}\n" for x in sorted(left)))

@@ -49,8 +49,8 @@ def _run(tmp_path, script: str, comm: dict) -> dict:
     (tmp_path / "slipstream.json").write_text(json.dumps({"enabled": True, "comm": comm}))
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLIPSTREAM")}
     env.update(SLIPSTREAM_CONFIG=str(tmp_path / "slipstream.json"), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
-           str(tmp_path / "job.py")]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--log-dir", str(tmp_path / "logs"),
+           "--nproc-per-node", "2", "--master-port", str(free_port()), str(tmp_path / "job.py")]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     (line,) = [ln for ln in out.stdout.splitlines() if ln.startswith("STATUS ")]

@@ -133,8 +133,8 @@ def test_accelerate_with_an_fsdp_plugin_runs_fsdp2_through_the_core_with_ddps_lo
     def run(ours: bool) -> dict:
         env = {k: v for k, v in os.environ.items() if not k.startswith("SLIPSTREAM")}
         env.update(OURS=str(int(ours)), OMP_NUM_THREADS="1", FSDP_VERSION="2")
-        out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                              "--master-port", str(free_port()), script],
+        out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--log-dir", str(tmp_path / "logs"),
+                              "--nproc-per-node", "2", "--master-port", str(free_port()), script],
                              capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
         assert out.returncode == 0, out.stderr[-4000:]
         fields = dict(re.findall(r"^(type|losses|state|status) (.*)$", out.stdout, re.M))

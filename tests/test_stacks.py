@@ -43,7 +43,8 @@ needs_hook = pytest.mark.skipif(not _hook_installed(), reason="slipstream's star
 def _torchrun(tmp_path, script: str, config: dict, name: str, **env) -> subprocess.CompletedProcess:
     path = tmp_path / f"{name}.json"
     path.write_text(json.dumps(config))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--log-dir", str(tmp_path / "logs"),
+           "--nproc-per-node", "2", "--master-port",
            str(free_port()), os.path.join(ROOT, script), str(path)]
     return _run_job(cmd, tmp_path, f"{script} with {name}", **env)
 
@@ -139,7 +140,8 @@ def test_slipstream_1_turns_a_ddp_script_on_and_autoload_0_keeps_it_stock(tmp_pa
     script.write_text(DDP)
 
     def run(**env):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--log-dir", str(tmp_path / "logs"),
+               "--nproc-per-node", "2", "--master-port",
                str(free_port()), str(script)]
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path, env=_env(**env))
         assert out.returncode == 0, out.stderr[-3000:]
@@ -222,7 +224,8 @@ def test_slipstream_config_alone_runs_accelerate_fsdp2_with_varlen_and_stock_los
                     FSDP_AUTO_WRAP_POLICY="TRANSFORMER_BASED_WRAP", FSDP_TRANSFORMER_CLS_TO_WRAP="LlamaDecoderLayer")
 
     def run(**env):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--log-dir", str(tmp_path / "logs"),
+               "--nproc-per-node", "2", "--master-port",
                str(free_port()), os.path.join(ROOT, "examples", "accelerate_fsdp.py")]
         return _run_job(cmd, tmp_path, "examples/accelerate_fsdp.py", **fsdp_env, **env)
 
@@ -236,7 +239,8 @@ def test_slipstream_config_alone_runs_accelerate_fsdp2_with_varlen_and_stock_los
 
 def _accelerate_launch(tmp_path, yaml: str, *extra: str, **env) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", os.path.join(ROOT, "configs", yaml),
-           "--main_process_port", str(free_port()), *extra, os.path.join(ROOT, "examples", "accelerate_fsdp.py")]
+           "--main_process_port", str(free_port()), "--log_dir", str(tmp_path / "logs"), *extra,
+           os.path.join(ROOT, "examples", "accelerate_fsdp.py")]
     return _run_job(cmd, tmp_path, f"accelerate launch {yaml}", **env)
 
 
@@ -257,7 +261,8 @@ def test_the_ready_accelerate_configs_work_with_accelerate_launch_as_they_are(tm
     if "hsdp" in yaml:  # the 2-D mesh: its replicate all-reduce through slipstream too
         assert "hsdp_replicate_all_reduce through the core" in line, line
     assert re.search(r"^distributed_type (DistributedType\.)?FSDP model FSDP", ours.stdout, re.M), ours.stdout[-2000:]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-port",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--log-dir", str(tmp_path / "logs"),
+           "--nproc-per-node", str(ranks), "--master-port",
            str(free_port()), script]
     ddp = _run_job(cmd, tmp_path, "the example under torchrun", ACCELERATE_USE_CPU="true")
     assert re.search(r"^distributed_type (DistributedType\.)?MULTI_CPU model DistributedDataParallel", ddp.stdout, re.M)

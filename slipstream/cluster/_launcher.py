@@ -1,14 +1,16 @@
 """Running one launcher per node: their output streamed, the first failure failing the job, and
 every rank stopped (SIGTERM, then SIGKILL) before the call returns, with the build locks of
-ranks stopped half-way removed. Used by ``emulated.launch`` and ``EmulatedCluster.launch``.
+ranks stopped half-way removed, and torch.distributed.run's log directory removed. Used by ``emulated.launch`` and ``EmulatedCluster.launch``.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections import deque
@@ -66,10 +68,22 @@ def _run_nodes(commands: Sequence[tuple[list[str], Mapping[str, str]]], timeout:
     Ctrl-C into the cleanup (the launchers run in sessions of their own, which a signal to this
     process does not reach)."""
     saved = _unwind_on_termination()
+    logs = tempfile.mkdtemp(prefix=f"slipstream-launch-{os.getpid()}-")
     try:
-        _run_and_reap(commands, timeout)
+        _run_and_reap([(_with_log_dir(argv, logs), env) for argv, env in commands], timeout)
     finally:
+        shutil.rmtree(logs, ignore_errors=True)
         _restore_handlers(saved)
+
+
+def _with_log_dir(argv: Sequence[str], logs: str) -> list[str]:
+    """``argv`` with torch.distributed.run's per-rank error files in ``logs``: left to itself,
+    each launcher makes a ``torchelastic_*`` directory in the temporary directory and never
+    removes it."""
+    if "torch.distributed.run" not in argv:
+        return list(argv)
+    at = list(argv).index("torch.distributed.run") + 1
+    return [*argv[:at], "--log-dir", logs, *argv[at:]]
 
 
 def _run_and_reap(commands: Sequence[tuple[list[str], Mapping[str, str]]], timeout: float | None) -> None:

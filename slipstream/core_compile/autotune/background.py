@@ -117,7 +117,7 @@ class Prebuild:
         (the instance's own, None for the class's), or why it cannot be (a string). ``busy``:
         training's threads take every core, so the compile takes one thread (inductor's default
         is one per core)."""
-        directory = tempfile.mkdtemp(prefix="slipstream-prebuild-")
+        directory = tempfile.mkdtemp(prefix=f"slipstream-prebuild-{os.getpid()}-")
         job = {"module": module, "strategy": strategy.name, "args": args, "kwargs": kwargs,
                "threads": torch.get_num_threads(), "autocast": _autocast(), "timeout_s": timeout_s}
         try:
