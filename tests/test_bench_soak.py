@@ -77,3 +77,41 @@ def test_a_control_row_runs_gloo_on_both_sides_and_does_not_decide_the_exit(tmp_
     assert rc == 0 and not ours["control"] and ours["failed"] == [] and ours["rss_growth"] == [0.0, 0.0]
     assert control["control"] and "memory grew 300 -> 450" in control["failed"][0]
     assert control["rss_growth"] == [0.5, 0.5] and control["layout"].startswith("1x2 (control")
+
+
+_HEAP = """
+import ctypes, re
+from slipstream.bench.workers.soak import trim_malloc, usage
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+def rss():
+    return int(re.search(r"VmRSS:\\s+(\\d+)", open("/proc/self/status").read())[1]) / 1024
+big, keep = [], []
+for _ in range(200):  # 1 MiB blocks from the heap, each followed by a small one that stays
+    p = libc.malloc(1 << 20)
+    ctypes.memset(p, 1, 1 << 20)
+    big.append(p)
+    keep.append(libc.malloc(64))
+for p in big:
+    libc.free(p)
+freed = rss()
+assert trim_malloc()
+print(freed, rss(), usage(trim=True)["rss_mib"])
+"""
+
+
+def test_trim_reads_the_memory_the_process_uses_not_what_the_allocator_keeps():
+    """``--trim``: 200 MiB freed but kept in glibc's heap (blocks below its mmap threshold, held
+    between small live ones) count in the resident memory until the trim returns them."""
+    import platform
+    import subprocess
+    import sys
+
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip("malloc_trim is glibc's")
+    env = {"MALLOC_MMAP_THRESHOLD_": str(4 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 30), "PATH": "/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, "-c", _HEAP], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    freed, trimmed, read = map(float, out.stdout.split())
+    assert freed - trimmed > 150 and read < freed - 150, out.stdout

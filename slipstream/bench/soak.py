@@ -13,7 +13,9 @@ the end of the calls and after the group cycles. It exits 1 when a result differ
 grew 5% or more from the 1,000th call to the end, or descriptors, threads or segments changed
 from the 1,000th call to the end or over the group cycles. ``--control`` adds a row per layout
 with the same draws on gloo on both sides (no slipstream in the process), to tell what
-slipstream's calls add to the resources from what the process and gloo do anyway.
+slipstream's calls add to the resources from what the process and gloo do anyway. ``--trim``
+reads the memory once the C allocator has returned its free memory (glibc's ``malloc_trim``):
+what the ranks use rather than what glibc keeps in its heaps after freeing large tensors.
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="the draws' seed (default 0)")
     parser.add_argument("--control", action="store_true",
                         help="also run each layout with gloo on both sides: resources without slipstream")
+    parser.add_argument("--trim", action="store_true",
+                        help="read memory once the C allocator has returned its free memory (glibc's malloc_trim)")
     parser.add_argument("--timeout", type=float, default=7200, help="seconds before every rank is killed")
     parser.add_argument("--json", help="write the records (a JSON list) here")
     parser.add_argument("--markdown", help="write the report (machine, command, table) here")
@@ -110,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(str(e)) from e
     if args.collectives < 1 or args.groups < 0:
         raise SystemExit("--collectives must be >= 1 and --groups >= 0")
-    argv = [*flags(args, "collectives", "groups", "seed"), "--max-bytes", str(max_bytes)]
+    argv = [*flags(args, "collectives", "groups", "seed", "trim"), "--max-bytes", str(max_bytes)]
     command = " ".join(["slipstream bench soak", *flags(args, "layouts", "max_bytes", "control"), *argv[:-2]])
     sys.stdout.write(command + "\n")
     runs = [(text, spec, control) for text, spec in layouts for control in (False, True)[:1 + args.control]]
@@ -120,6 +124,9 @@ def run(args: argparse.Namespace) -> int:
              "results compared exactly", "resources: the largest rank's (segments: the machine's slipstream "
              f"segments); verdict: no result differing, RSS growth < {RSS_GROWTH:.0%} from the 1,000th call to the "
              "end, descriptors, threads and segments unchanged over that span and over the group cycles"]
+    if args.trim:
+        notes.append("memory read once the C allocator had returned its free memory (malloc_trim): what the ranks "
+                     "use, not what glibc keeps in its heaps for later")
     if args.control:
         notes.append("a control row runs the same draws with gloo on both sides, and its group cycles on gloo: "
                      "the process without slipstream; its verdict does not count")

@@ -13,11 +13,14 @@ process without slipstream in it, whose resources tell slipstream's from the res
 
 The rank's resident memory, open file descriptors and threads, and the machine's slipstream
 shared-memory segments, are read at the start, after the 1,000th call, half-way, at the end of
-the calls and after the group cycles.
+the calls and after the group cycles. With ``--trim`` the C allocator first returns its free
+memory (glibc keeps freed blocks of up to 32 MiB in its heaps, so the resident memory of a
+process that frees large tensors of varying sizes grows without a leak).
 """
 
 from __future__ import annotations
 
+import ctypes
 import math
 import os
 import random
@@ -36,9 +39,23 @@ REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.Re
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int32, torch.int64)
 
 
-def usage() -> dict:
+def trim_malloc() -> bool:
+    """Have the C allocator return its free memory to the system (glibc's ``malloc_trim``);
+    False where the C library has no such call."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim(0)
+    return True
+
+
+def usage(trim: bool = False) -> dict:
     """This process's resident memory (MiB), open descriptors and threads; the machine's
-    slipstream shared-memory segments."""
+    slipstream shared-memory segments. ``trim``: read once the C allocator has returned its free
+    memory, so the memory is what the process uses, not what the allocator keeps for later."""
+    if trim and not trim_malloc():
+        raise SystemExit("--trim: this C library has no malloc_trim (glibc's)")
     with open("/proc/self/status") as f:
         status = f.read()
     segments = [n for n in os.listdir(SHM_DIR) if n.startswith("slipstream")] if os.path.isdir(SHM_DIR) else []
@@ -91,7 +108,7 @@ def soak(args) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     groups = _groups(world, args.control)
     rng = random.Random(args.seed)  # the same draws on every rank
-    snapshots = {"start": usage()}
+    snapshots = {"start": usage(args.trim)}
     differ, by_kind, started = [], {}, time.perf_counter()
     for i in range(args.collectives):
         call = _draw(rng, groups, args.max_bytes)
@@ -105,13 +122,13 @@ def soak(args) -> dict:
             key = call["kind"]
             by_kind[key] = by_kind.get(key, 0) + 1
         if i + 1 == min(1000, args.collectives):
-            snapshots["after_1000"] = usage()
+            snapshots["after_1000"] = usage(args.trim)
         if i + 1 == args.collectives // 2:
-            snapshots["middle"] = usage()
-    snapshots["end"] = usage()
+            snapshots["middle"] = usage(args.trim)
+    snapshots["end"] = usage(args.trim)
     calls_s = time.perf_counter() - started
     cycles_wrong = _group_cycles(args.groups, world, rng, "gloo" if args.control else None)
-    snapshots["after_groups"] = usage()
+    snapshots["after_groups"] = usage(args.trim)
     everyone: list = [None] * world
     dist.all_gather_object(everyone, {"rank": rank, "snapshots": snapshots, "differ": differ[:20],
                                       "differ_count": len(differ), "by_kind": by_kind,
@@ -138,5 +155,5 @@ def _group_cycles(n: int, world: int, rng: random.Random, backend: str | None) -
 
 if __name__ == "__main__":
     run_worker(soak, options={"--collectives": int, "--groups": int, "--max-bytes": int, "--seed": int,
-                              "--control": False},
+                              "--control": False, "--trim": False},
                group="slipstream")
