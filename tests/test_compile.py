@@ -564,6 +564,27 @@ def test_graph_breaks_are_reported_with_their_place(tmp_path):
     assert "graph breaks" in report.table()
 
 
+def test_graph_breaks_are_listed_by_the_compile_process_beside_training(tmp_path, monkeypatch):
+    """With the first candidate compiled beside training, its process lists the graph breaks;
+    the training process traces nothing for them."""
+    from slipstream.core_compile.autotune import diagnose
+
+    def here(*args, **kwargs):
+        raise AssertionError("listed in the training process")
+
+    monkeypatch.setattr(diagnose, "graph_breaks", here)
+    torch.manual_seed(0)
+    eager, model = Breaks(), Breaks()
+    model.load_state_dict(eager.state_dict())
+    slipstream.compile(model, config=_cfg(tmp_path, strategies=("inductor",), background=True, measure_rounds=2))
+    g = torch.Generator().manual_seed(0)
+    ours, ref = _train_until_decided(model, eager, [(torch.randn(2, 8, generator=g),) for _ in range(4)])
+    report = slipstream.compile_report(model)
+    assert report.graph_count >= 2 and report.graph_breaks, report.table()
+    assert any(b.where.startswith(__file__) for b in report.graph_breaks), report.graph_breaks
+    torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-6)
+
+
 def test_uncompile_restores_the_forward_and_compile_is_idempotent(tmp_path):
     model = Net()
     original = model.forward

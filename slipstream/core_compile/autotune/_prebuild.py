@@ -1,10 +1,11 @@
 """The compile process of ``background``: ``python -m slipstream.core_compile.autotune._prebuild DIR PID``.
 
 Loads ``DIR/job.pt`` (the model, the strategy's name, a batch, the training process's thread
-count and autocast state), compiles the strategy as the training process does
-(``strategy.build``), runs one forward and one backward (``torch.autograd.grad``: the backward
-graph compiles too), writes ``DIR/done`` (its graphs, and how many inductor generated or
-loaded from its cache) and waits to be stopped. It exits on its own once its parent is gone
+count and autocast state), lists the graph breaks if asked (``diagnose.graph_breaks``),
+compiles the strategy as the training process does (``strategy.build``), runs one forward and
+one backward (``torch.autograd.grad``: the backward graph compiles too), writes ``DIR/done``
+(its graphs, how many inductor generated or loaded from its cache, and the graph breaks) and
+waits to be stopped. It exits on its own once its parent is gone
 (removing ``DIR``) or, still compiling, once ``timeout_s`` has passed.
 """
 
@@ -29,6 +30,19 @@ def _watch(parent: int, deadline: float, directory: str, finished: threading.Eve
     os._exit(0 if finished.is_set() else 3)
 
 
+def _list_breaks(module, args, kwargs) -> dict:
+    """The graph breaks of ``module`` on this batch, as the training process would list them;
+    its state (buffers, and the RNG) as it was before."""
+    from . import check, diagnose
+
+    try:
+        with check.same_start(module):
+            count, breaks = diagnose.graph_breaks(module.forward, args, kwargs)
+    except Exception as e:  # noqa: BLE001 - a report, as in the training process
+        count, breaks = None, [diagnose.GraphBreak(f"explain failed: {type(e).__name__}: {e}"[:300], "?")]
+    return {"graph_count": count, "graph_breaks": [[b.reason, b.where] for b in breaks]}
+
+
 def main(directory: str, parent: int) -> int:
     import torch
 
@@ -43,10 +57,14 @@ def main(directory: str, parent: int) -> int:
     torch.set_num_threads(job["threads"])  # inductor's CPU kernels and its cache key follow it
     module = job["module"]
     chosen = next(s for s in strategy.STRATEGIES if s.name == job["strategy"])
-    applied = strategy.build(chosen, module.forward, strategy.hook_free_regions(strategy.repeated_blocks(module)))
+    listing = {}
     with contextlib.ExitStack() as stack:
         for device_type, dtype in job["autocast"].items():
             stack.enter_context(torch.autocast(device_type, dtype=dtype))
+        if job["list_breaks"]:  # before the compile: explain resets dynamo
+            listing = _list_breaks(module, job["args"], job["kwargs"])
+        applied = strategy.build(chosen, module.forward,
+                                 strategy.hook_free_regions(strategy.repeated_blocks(module)))
         applied.activate()
         output = (applied.forward or module.forward)(*job["args"], **job["kwargs"])
         loss = check._loss(output)
@@ -57,7 +75,7 @@ def main(directory: str, parent: int) -> int:
 
     cache = counters["inductor"]
     result = {"graphs": applied.counter.graphs, "backend_s": applied.counter.seconds,
-              "generated": cache["fxgraph_cache_miss"], "loaded": cache["fxgraph_cache_hit"]}
+              "generated": cache["fxgraph_cache_miss"], "loaded": cache["fxgraph_cache_hit"], **listing}
     print(json.dumps(result), flush=True)
     with open(os.path.join(directory, "done.tmp"), "w") as f:
         json.dump(result, f)

@@ -183,6 +183,16 @@ class Autotuner:
         except Exception as e:  # noqa: BLE001 - a report, never a reason to stop the run
             self.report.graph_breaks = [diagnose.GraphBreak(f"explain failed: {type(e).__name__}: {e}"[:300], "?")]
 
+    def _list_breaks(self, args, kwargs) -> None:
+        """List the graph breaks here, unless compile()'s example did, or a compile process did
+        beside training (the node's first rank's; the ranks agree)."""
+        beside = self.prebuilds.listing
+        if agree(self.group, [float(beside is not None)])[0]:
+            if beside is not None:
+                self.report.graph_count, self.report.graph_breaks = beside
+        elif self.report.graph_count is None:
+            self._graph_breaks(args, kwargs)
+
     def _cache_dir(self) -> Path:
         return Path(self.config.cache_dir) if self.config.cache_dir else compile_cache.default_dir()
 
@@ -208,16 +218,16 @@ class Autotuner:
                 self.prebuilds.stop(s.name)
                 self.by_name[s.name].status, self.by_name[s.name].reason = "skipped", why
                 continue
+            listing = self.config.graph_breaks and not self.listed and self.report.graph_count is None
             if s.name in self.prebuilds.beside and not self.prebuilds.ready(self.by_name[s.name], s, args, kwargs,
-                                                                            self.budget):
+                                                                            self.budget, listing):
                 self.pending.appendleft(s)
                 if s.name in self.prebuilds.beside:  # compiling beside training: eager steps meanwhile
                     return self.eager(*args, **kwargs)
                 continue  # it failed there: weighed again at its cost here
             if self.config.graph_breaks and not self.listed:  # listed once a compile is worth its cost
                 self.listed = True
-                if self.report.graph_count is None:  # not listed from compile()'s example
-                    self._graph_breaks(args, kwargs)
+                self._list_breaks(args, kwargs)
             ok = self._try(s, args, kwargs)
             if agree(self.group, [0.0 if ok else 1.0])[0] == 0.0:
                 self.survivors.append(s.name)

@@ -31,6 +31,7 @@ import weakref
 import torch
 
 from .agree import agree
+from .diagnose import GraphBreak
 from .strategy import Counter
 
 __all__ = ["CONTENTION", "MAX_MODEL_BYTES", "WARM_SHARE", "Prebuild", "Prebuilds", "expected_cost", "first_on_node",
@@ -112,14 +113,16 @@ class Prebuild:
 
     @classmethod
     def start(cls, module: torch.nn.Module, forward, strategy, args, kwargs, timeout_s: float,
-              busy: bool) -> "Prebuild | str":
+              busy: bool, list_breaks: bool = False) -> "Prebuild | str":
         """Start compiling ``strategy`` on a copy of ``module`` whose ``forward`` is ``forward``
         (the instance's own, None for the class's), or why it cannot be (a string). ``busy``:
         training's threads take every core, so the compile takes one thread (inductor's default
-        is one per core)."""
+        is one per core). ``list_breaks``: list the graph breaks there first (``result``'s
+        ``graph_count`` and ``graph_breaks``), a dynamo trace the training loop then skips."""
         directory = tempfile.mkdtemp(prefix=f"slipstream-prebuild-{os.getpid()}-")
         job = {"module": module, "strategy": strategy.name, "args": args, "kwargs": kwargs,
-               "threads": torch.get_num_threads(), "autocast": _autocast(), "timeout_s": timeout_s}
+               "threads": torch.get_num_threads(), "autocast": _autocast(), "timeout_s": timeout_s,
+               "list_breaks": list_breaks}
         try:
             with _forward_as(module, forward):
                 torch.save(job, os.path.join(directory, "job.pt"))
@@ -179,6 +182,7 @@ class Prebuilds:
         self.beside: set = set()  # the candidates to compile beside training
         self.started: dict = {}  # name -> Prebuild, or why none runs here
         self.failed: set = set()  # compiled beside training without success: compiled here
+        self.listing: tuple | None = None  # (graphs, breaks) listed by a compile process
 
     def cost(self, s, priors, modules: int, choice: bool | None) -> tuple[float, str]:
         """(seconds ``s`` is expected to cost training, where the figure comes from), given
@@ -201,15 +205,16 @@ class Prebuilds:
         self.beside.add(s.name)
         return beside, f"{source}; compiled beside training, its cost to training"
 
-    def ready(self, cand, s, args, kwargs, timeout_s: float) -> bool:
+    def ready(self, cand, s, args, kwargs, timeout_s: float, list_breaks: bool = False) -> bool:
         """Whether candidate ``cand`` (strategy ``s``) may compile in the training process now:
         once the ranks agree that every compile process of it is done (its outcome in
-        ``cand.beside``). The first call starts this node's, on this step's batch. Where one
+        ``cand.beside``). The first call starts this node's, on this step's batch; with
+        ``list_breaks`` it lists the graph breaks too (``listing``, once it is done). Where one
         failed, False, and ``s`` is no longer in ``beside``: the search weighs it again at its
         cost here."""
         if s.name not in self.started:
             self.started[s.name] = (Prebuild.start(self.module, self.forward, s, args, kwargs, timeout_s,
-                                                   _busy(self.device))
+                                                   _busy(self.device), list_breaks)
                                     if first_on_node() else "compiled beside training by the node's first rank")
         pre = self.started[s.name]
         running = isinstance(pre, Prebuild) and pre.poll() is None
@@ -218,6 +223,8 @@ class Prebuilds:
         if running:
             return False
         if isinstance(pre, Prebuild):
+            if "graph_count" in pre.result:
+                self.listing = pre.result["graph_count"], [GraphBreak(*b) for b in pre.result["graph_breaks"]]
             cand.background_s = pre.took_s
             cand.beside = (f"compiled beside training first ({pre.took_s:.1f} s, {pre.result.get('generated')} "
                            f"inductor graphs generated, {pre.result.get('loaded')} loaded from its cache; "
