@@ -541,6 +541,14 @@ def test_compiling_beside_training_is_off_where_it_cannot_help_or_was_turned_off
     with inductor_config.patch(fx_graph_cache=False):  # its own undo: monkeypatch's deletes the setting
         assert "FX graph cache is disabled" in background.wanted(True, model, cpu)
     assert inductor_config.fx_graph_cache
+    # a model holding a process group (DDP, Megatron's layers; ZeRO-3's parameters) is not copied
+    group = torch.distributed.ProcessGroup(torch.distributed.HashStore(), 0, 1)
+    model.tp_group = group
+    assert "holds a process group (tp_group)" in background.wanted(True, model, cpu)
+    del model.tp_group
+    next(iter(model.children())).weight.ds_process_group = group
+    held = background.wanted(True, model, cpu)
+    assert held and re.search(r"process group \(\w+\.weight\.ds_process_group\)", held), held
 
 
 class Breaks(torch.nn.Module):

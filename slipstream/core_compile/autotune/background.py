@@ -72,9 +72,37 @@ def _unwanted(choice: bool | None, module: torch.nn.Module, device: torch.device
 
     if not inductor_config.fx_graph_cache:
         return "off: inductor's FX graph cache is disabled, so a compile elsewhere cannot help"
+    held = _process_group_in(module)
+    if held:
+        return f"off: the model holds a process group ({held}), so it does not pickle for a compile process"
     size = sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
     if size > MAX_MODEL_BYTES:
         return f"off: the model's {size / 2**30:.1f} GiB is over {MAX_MODEL_BYTES / 2**30:g} GiB to copy"
+    return None
+
+
+def _process_group_in(module: torch.nn.Module) -> str | None:
+    """Where ``module`` holds a process group, which no pickle takes, or None: a DTensor
+    parameter (FSDP2, tensor parallelism), or a module's or a parameter's attribute that is a
+    group or a device mesh (DDP, FSDP1, Megatron's parallel layers, ZeRO-3's parameters). Found
+    here, the model is not serialised up to the group only to fail there."""
+    if not torch.distributed.is_available():
+        return None
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor
+
+    def group(owner) -> str | None:
+        return next((k for k, v in vars(owner).items() if isinstance(v, (torch.distributed.ProcessGroup, DeviceMesh))),
+                    None)
+
+    for name, m in module.named_modules():
+        if (k := group(m)) is not None:
+            return f"{name + '.' if name else ''}{k}"
+    for name, p in module.named_parameters():
+        if isinstance(p, DTensor):
+            return f"{name}, a DTensor"
+        if (k := group(p)) is not None:
+            return f"{name}.{k}"
     return None
 
 
