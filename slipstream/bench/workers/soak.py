@@ -21,6 +21,7 @@ process that frees large tensors of varying sizes grows without a leak).
 from __future__ import annotations
 
 import ctypes
+import gc
 import math
 import os
 import random
@@ -51,15 +52,19 @@ def trim_malloc() -> bool:
 
 
 def usage(trim: bool = False) -> dict:
-    """This process's resident memory (MiB), open descriptors and threads; the machine's
-    slipstream shared-memory segments. ``trim``: read once the C allocator has returned its free
-    memory, so the memory is what the process uses, not what the allocator keeps for later."""
-    if trim and not trim_malloc():
-        raise SystemExit("--trim: this C library has no malloc_trim (glibc's)")
+    """This process's resident memory (MiB; of it, anonymous and shared memory), open descriptors
+    and threads; the machine's slipstream shared-memory segments. ``trim``: read once Python's
+    cyclic garbage is collected and the C allocator has returned its free memory, so the memory
+    is what the process uses, not what the allocator keeps for later."""
+    if trim:
+        gc.collect()
+        if not trim_malloc():
+            raise SystemExit("--trim: this C library has no malloc_trim (glibc's)")
     with open("/proc/self/status") as f:
         status = f.read()
     segments = [n for n in os.listdir(SHM_DIR) if n.startswith("slipstream")] if os.path.isdir(SHM_DIR) else []
-    return {"rss_mib": int(re.search(r"VmRSS:\s+(\d+)", status).group(1)) / 1024,
+    kib = {k: int(re.search(rf"{k}:\s+(\d+)", status).group(1)) for k in ("VmRSS", "RssAnon", "RssShmem")}
+    return {"rss_mib": kib["VmRSS"] / 1024, "anon_mib": kib["RssAnon"] / 1024, "shmem_mib": kib["RssShmem"] / 1024,
             "threads": int(re.search(r"Threads:\s+(\d+)", status).group(1)),
             "fds": len(os.listdir("/proc/self/fd")), "segments": len(segments)}
 
@@ -104,6 +109,13 @@ def _run(call: dict, group, x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _compared(call: dict, seed: int) -> bool:
+    """Whether ``call`` gives gloo's result on the slipstream group. Its tensors are gone when
+    it returns: a reading after it counts what the ranks keep, not the last call's buffers."""
+    x = torch.randint(-8, 9, (call["numel"],), generator=torch.Generator().manual_seed(seed)).to(call["dtype"])
+    return torch.equal(_run(call, call["ours"], x), _run(call, call["gloo"], x))
+
+
 def soak(args) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     groups = _groups(world, args.control)
@@ -113,10 +125,7 @@ def soak(args) -> dict:
     for i in range(args.collectives):
         call = _draw(rng, groups, args.max_bytes)
         if rank in call["members"]:
-            gen = torch.Generator().manual_seed(args.seed * 1_000_003 + i * 64 + rank)
-            x = torch.randint(-8, 9, (call["numel"],), generator=gen).to(call["dtype"])
-            ours, ref = _run(call, call["ours"], x), _run(call, call["gloo"], x)
-            if not torch.equal(ours, ref):
+            if not _compared(call, args.seed * 1_000_003 + i * 64 + rank):
                 differ.append(f"call {i}: {call['kind']} {call['op'] or ''} {call['dtype']} x {call['numel']} "
                               f"on {call['group']}")
             key = call["kind"]
