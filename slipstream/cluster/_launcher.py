@@ -1,6 +1,7 @@
 """Running one launcher per node: their output streamed, the first failure failing the job, and
 every rank stopped (SIGTERM, then SIGKILL) before the call returns, with the build locks of
-ranks stopped half-way removed, and torch.distributed.run's log directory removed. Used by ``emulated.launch`` and ``EmulatedCluster.launch``.
+ranks stopped half-way removed, and torch.distributed.run's log directory removed. Used by
+``emulated.launch`` and ``EmulatedCluster.launch``.
 """
 
 from __future__ import annotations
