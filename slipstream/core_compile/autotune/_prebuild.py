@@ -5,8 +5,8 @@ count and autocast state), lists the graph breaks if asked (``diagnose.graph_bre
 compiles the strategy as the training process does (``strategy.build``), runs one forward and
 one backward (``torch.autograd.grad``: the backward graph compiles too), writes ``DIR/done``
 (its graphs, how many inductor generated or loaded from its cache, and the graph breaks) and
-waits to be stopped. It exits on its own once its parent is gone
-(removing ``DIR``) or, still compiling, once ``timeout_s`` has passed.
+waits to be stopped. It exits on its own once its parent is gone (removing ``DIR``) or, still
+compiling, once ``timeout_s`` has passed.
 """
 
 from __future__ import annotations
@@ -30,23 +30,10 @@ def _watch(parent: int, deadline: float, directory: str, finished: threading.Eve
     os._exit(0 if finished.is_set() else 3)
 
 
-def _list_breaks(module, args, kwargs) -> dict:
-    """The graph breaks of ``module`` on this batch, as the training process would list them;
-    its state (buffers, and the RNG) as it was before."""
-    from . import check, diagnose
-
-    try:
-        with check.same_start(module):
-            count, breaks = diagnose.graph_breaks(module.forward, args, kwargs)
-    except Exception as e:  # noqa: BLE001 - a report, as in the training process
-        count, breaks = None, [diagnose.GraphBreak(f"explain failed: {type(e).__name__}: {e}"[:300], "?")]
-    return {"graph_count": count, "graph_breaks": [[b.reason, b.where] for b in breaks]}
-
-
 def main(directory: str, parent: int) -> int:
     import torch
 
-    from . import check, strategy
+    from . import check, diagnose, strategy
 
     # the lowest priority: training's threads come first, the compile takes what they leave
     os.nice(19)
@@ -62,7 +49,8 @@ def main(directory: str, parent: int) -> int:
         for device_type, dtype in job["autocast"].items():
             stack.enter_context(torch.autocast(device_type, dtype=dtype))
         if job["list_breaks"]:  # before the compile: explain resets dynamo
-            listing = _list_breaks(module, job["args"], job["kwargs"])
+            count, breaks = diagnose.list_breaks(module, module.forward, job["args"], job["kwargs"])
+            listing = {"graph_count": count, "graph_breaks": [[b.reason, b.where] for b in breaks]}
         applied = strategy.build(chosen, module.forward,
                                  strategy.hook_free_regions(strategy.repeated_blocks(module)))
         applied.activate()

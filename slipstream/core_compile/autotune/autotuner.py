@@ -177,11 +177,7 @@ class Autotuner:
                 self.by_name[s.name].reason = "the last winner for this model here (cache): measured first"
 
     def _graph_breaks(self, args, kwargs) -> None:
-        try:
-            with check.same_start(self.module):
-                self.report.graph_count, self.report.graph_breaks = diagnose.graph_breaks(self.eager, args, kwargs)
-        except Exception as e:  # noqa: BLE001 - a report, never a reason to stop the run
-            self.report.graph_breaks = [diagnose.GraphBreak(f"explain failed: {type(e).__name__}: {e}"[:300], "?")]
+        self.report.graph_count, self.report.graph_breaks = diagnose.list_breaks(self.module, self.eager, args, kwargs)
 
     def _list_breaks(self, args, kwargs) -> None:
         """List the graph breaks here, unless compile()'s example did, or a compile process did

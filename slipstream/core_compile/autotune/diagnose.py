@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["GraphBreak", "graph_breaks", "one_line", "watch_recompiles"]
+__all__ = ["GraphBreak", "graph_breaks", "list_breaks", "one_line", "watch_recompiles"]
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,19 @@ def graph_breaks(forward, args, kwargs) -> tuple[int, list[GraphBreak]]:
         where = f"{frame.filename}:{frame.lineno}" if frame is not None else "?"
         breaks.append(GraphBreak(" ".join(str(r.reason).split())[:300], where))
     return out.graph_count, list(dict.fromkeys(breaks))  # each break once, in order
+
+
+def list_breaks(module: torch.nn.Module, forward, args, kwargs) -> tuple[int | None, list[GraphBreak]]:
+    """``graph_breaks`` of ``module``'s ``forward`` with its state (buffers, the RNG) put back
+    after; when the trace fails, no count and one entry saying why (a report, never a reason
+    to stop the run)."""
+    from .check import same_start
+
+    try:
+        with same_start(module):
+            return graph_breaks(forward, args, kwargs)
+    except Exception as e:  # noqa: BLE001
+        return None, [GraphBreak(f"explain failed: {type(e).__name__}: {e}"[:300], "?")]
 
 
 class _Catch(logging.Handler):
