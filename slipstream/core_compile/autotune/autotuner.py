@@ -214,14 +214,14 @@ class Autotuner:
                 self.prebuilds.stop(s.name)
                 self.by_name[s.name].status, self.by_name[s.name].reason = "skipped", why
                 continue
-            listing = self.config.graph_breaks and not self.listed and self.report.graph_count is None
-            if s.name in self.prebuilds.beside and not self.prebuilds.ready(self.by_name[s.name], s, args, kwargs,
-                                                                            self.budget, listing):
+            unlisted = self.config.graph_breaks and not self.listed  # listed once a compile is worth its cost
+            if s.name in self.prebuilds.beside and not self.prebuilds.ready(
+                    self.by_name[s.name], s, args, kwargs, self.budget, unlisted and self.report.graph_count is None):
                 self.pending.appendleft(s)
                 if s.name in self.prebuilds.beside:  # compiling beside training: eager steps meanwhile
                     return self.eager(*args, **kwargs)
                 continue  # it failed there: weighed again at its cost here
-            if self.config.graph_breaks and not self.listed:  # listed once a compile is worth its cost
+            if unlisted:
                 self.listed = True
                 self._list_breaks(args, kwargs)
             ok = self._try(s, args, kwargs)
