@@ -123,11 +123,14 @@ def test_search_measures_the_candidates_and_trains_like_eager(tmp_path, lengths)
     by = {c.name: c for c in report.candidates}
     assert {"eager", "inductor", "regions", "inductor-dynamic", "regions-dynamic"} <= set(by), report.table()
     skipped = {n: c.reason for n, c in by.items() if c.status == "skipped"}
+    whole = "compiled the whole model as one graph: regions of it would not run faster"
     if len(lengths) == 1:
-        assert skipped == {n: "batch shapes did not change" for n in ("inductor-dynamic", "regions-dynamic")}, skipped
+        assert skipped == {**{n: "batch shapes did not change" for n in ("inductor-dynamic", "regions-dynamic")},
+                           "regions": f"inductor {whole}"}, skipped
     else:  # two lengths by step 2: static graphs would recompile at each, the default turns dynamic
         assert skipped == {"inductor": "batch shapes change: measured as inductor-dynamic, the graph it recompiles into",
-                           "regions": "batch shapes change: a static graph recompiles at each"}, skipped
+                           "regions": "batch shapes change: a static graph recompiles at each",
+                           "regions-dynamic": f"inductor-dynamic {whole}"}, skipped
     assert all(c.status != "failed" and c.status != "rejected" for c in by.values()), report.table()
     assert by[report.chosen].status == "chosen" and report.decided_at_step is not None
     measured = [c for c in report.candidates if c.status in ("measured", "chosen")]
@@ -136,6 +139,29 @@ def test_search_measures_the_candidates_and_trains_like_eager(tmp_path, lengths)
     if report.chosen != "eager":  # kept only when it beat eager's median by min_speedup
         assert report.speedup(report.chosen) >= 1.05
     assert "| strategy |" in report.table() and report.to_dict()["chosen"] == report.chosen
+    _close(ours, ref)
+
+
+class Broken(Net):
+    """Net with a graph break after its first block: the whole model compiles as two graphs."""
+
+    def forward(self, x, y):
+        x = self.blocks[0](x)
+        torch._dynamo.graph_break()
+        return super().forward(x, y)
+
+
+def test_regions_are_measured_when_the_whole_model_is_not_one_graph(tmp_path):
+    torch.manual_seed(0)
+    eager = Broken()
+    model = copy.deepcopy(eager)
+    batches = _batches(16)
+    ref = _train(eager, batches)
+    slipstream.compile(model, config=_cfg(tmp_path, cache=False, measure_rounds=2))
+    ours = _train(model, batches)
+    by = {c.name: c for c in slipstream.compile_report(model).candidates}
+    assert by["inductor"].status in ("measured", "chosen") and by["inductor"].graphs == 2, by["inductor"]
+    assert by["regions"].status in ("measured", "chosen") and len(by["regions"].step_s) == 2, by["regions"]
     _close(ours, ref)
 
 

@@ -11,7 +11,8 @@ its length is known):
 2. then (by then it is known whether the batches change shape: if they do, static graphs are
    skipped and the default shape policy is measured as its dynamic variant) each candidate
    (``strategy.candidates``) whose expected compile time fits in what is left of the budget is
-   compiled (the graph breaks are listed before the first) and checked against eager on the
+   compiled (the graph breaks are listed before the first; regions are skipped once the whole
+   model compiled as one graph) and checked against eager on the
    step's batch (``check.compare``: loss and gradients), then runs ``warmup_steps`` steps. On
    the CPU (``CompileConfig.background``) a process of its own compiles it first while the
    steps run eagerly, so that its compile here loads inductor's kernels from the cache;
@@ -205,8 +206,9 @@ class Autotuner:
             return self.eager(*args, **kwargs)
         while self.pending:
             s = self.pending.popleft()
-            why = self._shape_policy_skip(s) if self.config.strategies is None else None
+            why = self._skip(s)
             if why:
+                self.prebuilds.stop(s.name)
                 self.by_name[s.name].status, self.by_name[s.name].reason = "skipped", why
                 continue
             why = self._over_budget(s)
@@ -246,22 +248,23 @@ class Autotuner:
         self.timed = (name, now, check.units(args, kwargs))
         return self._call(name, args, kwargs)
 
-    def _shape_policy_skip(self, s: strategy.Strategy) -> str | None:
-        """Why ``s`` is not worth measuring given whether the batches have changed shape so far
-        (the ranks agree), or None: dynamic variants only when they have; when they have,
-        no static graph (it recompiles at every shape), and no default one whose dynamic variant
-        is still to come (the default recompiles once, into that variant)."""
+    def _skip(self, s: strategy.Strategy) -> str | None:
+        """Why ``s`` is not worth measuring (``strategy.not_worth``), or None. The ranks agree on
+        whether the batches have changed shape so far, and on whether the model is one graph:
+        the graph breaks listed (with ranks on a node, only the one that listed them knows),
+        else the whole-model candidate's graphs."""
+        if self.config.strategies is not None:
+            return None  # named by the user: measured
         variant = next((p for p in self.pending if p.dynamic and (p.scope, p.mode) == (s.scope, s.mode)), None)
-        if not (s.dynamic or s.dynamic is False or variant):
-            return None
-        varied = bool(agree(self.group, [float(self.shapes_vary)])[0])
-        if s.dynamic:
-            return None if varied else "batch shapes did not change"
-        if not varied:
-            return None
-        if s.dynamic is False:
-            return "batch shapes change: a static graph recompiles at each"
-        return f"batch shapes change: measured as {variant.name}, the graph it recompiles into"
+        varied = bool((s.dynamic is not None or variant) and agree(self.group, [float(self.shapes_vary)])[0])
+        whole = self.by_name.get(getattr(strategy.whole_model(s), "name", None))
+        one_graph = False
+        if whole is not None and whole.status == "measured":  # compiled and passed its check, on every rank
+            count = self.report.graph_count
+            known, split, graphs = agree(self.group, [float(count is not None), float(count not in (None, 1)),
+                                                      float(whole.graphs != 1)])
+            one_graph = not (split if known else graphs)
+        return strategy.not_worth(s, variant, varied, whole.name if one_graph else None)
 
     def _over_budget(self, s: strategy.Strategy) -> str | None:
         """Why ``s`` is not compiled: its expected compile time does not fit in what is left of

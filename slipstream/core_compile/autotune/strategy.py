@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 __all__ = ["STRATEGIES", "Counter", "Strategy", "candidates", "has_forward_hooks", "hook_free_regions",
-           "repeated_blocks"]
+           "not_worth", "repeated_blocks", "whole_model"]
 
 
 @dataclass(frozen=True)
@@ -73,6 +73,33 @@ def candidates(device_type: str, *, names=None, max_autotune: bool | None = None
     return [s for s in STRATEGIES
             if device_type in s.devices and (autotune or not s.opt_in) and (has_regions or s.scope != "regions")
             and not (has_hooks and s.compiled and s.scope == "model")]
+
+
+def whole_model(s: Strategy) -> Strategy | None:
+    """The strategy compiling the whole model with regions ``s``'s mode and shape policy."""
+    return next((w for w in STRATEGIES if s.scope == "regions" and w.scope == "model" and w.compiled
+                 and w.mode == s.mode and bool(w.dynamic) == bool(s.dynamic)), None)
+
+
+def not_worth(s: Strategy, variant: Strategy | None, varied: bool, one_graph: str | None) -> str | None:
+    """Why ``s`` is not worth measuring, or None, given its dynamic ``variant`` still to come,
+    whether the batches have changed shape so far, and the whole-model strategy that compiled
+    the model as one graph and passed its check (None if none did):
+    - dynamic variants only when the shapes have changed; when they have, no static graph (it
+      recompiles at every shape), and no default one whose dynamic variant is still to come (the
+      default recompiles once, into that variant);
+    - no regions once the whole model is one graph: they compile parts of it with the same
+      compiler, quicker to compile but not to run, and that compile is already paid."""
+    if s.dynamic:
+        if not varied:
+            return "batch shapes did not change"
+    elif varied and s.dynamic is False:
+        return "batch shapes change: a static graph recompiles at each"
+    elif varied and variant is not None:
+        return f"batch shapes change: measured as {variant.name}, the graph it recompiles into"
+    if one_graph is not None:
+        return f"{one_graph} compiled the whole model as one graph: regions of it would not run faster"
+    return None
 
 
 class Counter:
