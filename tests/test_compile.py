@@ -338,12 +338,12 @@ def test_the_decision_is_cached_and_a_new_shape_or_version_searches_again(tmp_pa
 
 
 class SlowEager(Net):
-    """Net whose eager forward sleeps 200 ms: a compiled forward (the branch is not traced) wins
-    by far more than any noise, even on a loaded machine."""
+    """Net whose eager forward sleeps 500 ms: a compiled forward (the branch is not traced) wins
+    by far more than the noise of a loaded machine (there, steps of a few ms took 120 ms)."""
 
     def forward(self, x, y):
         if not torch.compiler.is_compiling():
-            time.sleep(0.2)
+            time.sleep(0.5)
         return super().forward(x, y)
 
 
@@ -368,17 +368,18 @@ def test_a_short_run_compiles_nothing_its_budget_cannot_pay_for(tmp_path):
 def test_a_decisive_winner_ends_the_search_and_goes_first_next_time(tmp_path, monkeypatch):
     _slowed(monkeypatch, "regions", 1.0)  # regions' steps take 1 s more: a loser by far, pruned
     torch.manual_seed(0)
-    eager, model = SlowEager(), SlowEager()
+    eager, model = Net(), SlowEager()  # the sleep does not change the numbers
     model.load_state_dict(eager.state_dict())
-    batches = _batches(16)
+    batches = _batches(24)
     ref = _train(eager, batches)
     cfg = _cfg(tmp_path, strategies=("regions", "inductor"), measure_rounds=5)
     slipstream.compile(model, config=cfg)
     ours = _train(model, batches)
     report = slipstream.compile_report(model)
     by = {c.name: c for c in report.candidates}
-    # every compiled step beat every eager one by far more than 1.05x: decided after two rounds of five
-    assert report.chosen == "inductor" and len(by["inductor"].step_s) == 2, report.table()
+    # every compiled step beats every eager one by far more than 1.05x: decided before the five
+    # rounds are complete (after two, unless the machine stalls a step by about 0.5 s)
+    assert report.chosen == "inductor" and 2 <= len(by["inductor"].step_s) < 5, report.table()
     assert "not timed further" in by["regions"].reason, report.table()
     assert report.break_even_step() is not None and report.break_even_step() >= report.decided_at_step
     _close(ours, ref)
