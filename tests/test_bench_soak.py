@@ -115,3 +115,21 @@ def test_trim_reads_the_memory_the_process_uses_not_what_the_allocator_keeps():
     assert out.returncode == 0, out.stderr[-2000:]
     freed, trimmed, read = map(float, out.stdout.split())
     assert freed - trimmed > 150 and read < freed - 150, out.stdout
+
+
+@pytest.mark.parametrize("env, said", [
+    ({}, "C allocator: glibc's defaults"),
+    ({"MALLOC_MMAP_THRESHOLD_": "131072"}, "C allocator settings from the environment: MALLOC_MMAP_THRESHOLD_=131072"),
+])
+def test_the_report_names_the_allocator_settings_the_ranks_inherit(tmp_path, monkeypatch, capsys, env, said):
+    from slipstream.bench import soak
+
+    for k in soak.allocator_env():
+        monkeypatch.delenv(k)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(soak, "launch_worker", lambda module, argv, spec, timeout:
+                        _raw() | {"world_size": 2, "collectives": 1000, "group_cycles": 0, "calls_s": 1.0})
+    assert main(["bench", "soak", "--layouts", "1x2", "--collectives", "1000", "--json", str(tmp_path / "s.json")]) == 0
+    out = capsys.readouterr().out
+    assert said in out and out.startswith("".join(f"{k}={v} " for k, v in env.items()) + "slipstream bench soak")

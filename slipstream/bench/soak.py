@@ -15,12 +15,16 @@ from the 1,000th call to the end or over the group cycles. ``--control`` adds a 
 with the same draws on gloo on both sides (no slipstream in the process), to tell what
 slipstream's calls add to the resources from what the process and gloo do anyway. ``--trim``
 reads the memory once the C allocator has returned its free memory (glibc's ``malloc_trim``):
-what the ranks use rather than what glibc keeps in its heaps after freeing large tensors.
+what the ranks use rather than what glibc keeps in its heaps after freeing large tensors. The
+report names the C allocator's settings the ranks inherit from the environment (``MALLOC_*``,
+``GLIBC_TUNABLES``, ``LD_PRELOAD``): glibc's default mmap threshold adapts to the sizes freed,
+so a mix of sizes grows the heap, with or without slipstream (``benchmarks/results/faults_*.md``).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from slipstream.cluster.worker import flags, launch_worker
@@ -106,6 +110,12 @@ def _table(records: list[dict]) -> list[str]:
                   "descriptors", "threads", "shm segments", "verdict"], "lrrrlllllll", rows)
 
 
+def allocator_env() -> dict[str, str]:
+    """The C allocator's settings in the environment the ranks inherit."""
+    return {k: v for k, v in sorted(os.environ.items())
+            if k.startswith("MALLOC_") or k in ("GLIBC_TUNABLES", "LD_PRELOAD")}
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         layouts = [(text, parse_layout(text)) for text in args.layouts.split(",")]
@@ -115,7 +125,9 @@ def run(args: argparse.Namespace) -> int:
     if args.collectives < 1 or args.groups < 0:
         raise SystemExit("--collectives must be >= 1 and --groups >= 0")
     argv = [*flags(args, "collectives", "groups", "seed", "trim"), "--max-bytes", str(max_bytes)]
-    command = " ".join(["slipstream bench soak", *flags(args, "layouts", "max_bytes", "control"), *argv[:-2]])
+    env = allocator_env()
+    command = " ".join([*(f"{k}={v}" for k, v in env.items()), "slipstream bench soak",
+                        *flags(args, "layouts", "max_bytes", "control"), *argv[:-2]])
     sys.stdout.write(command + "\n")
     runs = [(text, spec, control) for text, spec in layouts for control in (False, True)[:1 + args.control]]
     records = [_record(text, launch_worker("slipstream.bench.workers.soak", argv + ["--control"] * control, spec,
@@ -124,6 +136,9 @@ def run(args: argparse.Namespace) -> int:
              "results compared exactly", "resources: the largest rank's (segments: the machine's slipstream "
              f"segments); verdict: no result differing, RSS growth < {RSS_GROWTH:.0%} from the 1,000th call to the "
              "end, descriptors, threads and segments unchanged over that span and over the group cycles"]
+    notes.append(f"C allocator settings from the environment: {' '.join(f'{k}={v}' for k, v in env.items())}" if env
+                 else "C allocator: glibc's defaults (its mmap threshold rises, up to 32 MiB, to each mapped block "
+                 "freed: later blocks up to that size come from the heap)")
     if args.trim:
         notes.append("memory read once the C allocator had returned its free memory (malloc_trim): what the ranks "
                      "use, not what glibc keeps in its heaps for later")
