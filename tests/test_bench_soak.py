@@ -133,3 +133,26 @@ def test_the_report_names_the_allocator_settings_the_ranks_inherit(tmp_path, mon
     assert main(["bench", "soak", "--layouts", "1x2", "--collectives", "1000", "--json", str(tmp_path / "s.json")]) == 0
     out = capsys.readouterr().out
     assert said in out and out.startswith("".join(f"{k}={v} " for k, v in env.items()) + "slipstream bench soak")
+
+
+def test_the_readings_count_the_segments_of_the_jobs_ranks_only():
+    """Another slipstream job's segment on the machine is not the soak's (a fault test beside it
+    once made a soak fail on 2 segments it never made)."""
+    import os
+
+    from slipstream.bench.workers.soak import usage
+    from slipstream.core_comm.collectives.segment import SHM_DIR, segment_name
+
+    if not os.path.isdir(SHM_DIR):
+        pytest.skip("no /dev/shm")
+    mine, other = (os.path.join(SHM_DIR, segment_name(pid)) for pid in (os.getpid(), os.getppid()))
+    try:
+        for path in (mine, other):
+            open(path, "x").close()
+        assert usage(pids={os.getpid()})["segments"] == 1
+        assert usage(pids={os.getpid(), os.getppid()})["segments"] == 2
+        assert usage()["segments"] >= 2  # every one on the machine
+    finally:
+        for path in (mine, other):
+            if os.path.exists(path):
+                os.unlink(path)

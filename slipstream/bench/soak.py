@@ -8,7 +8,7 @@ and size (0 B to ``--max-bytes``) on the slipstream backend and on gloo with the
 and compares the results exactly (``workers/soak.py``), then makes, uses and destroys
 ``--groups`` subgroups. Reported per layout: results that differed from gloo's, group cycles
 that gave a wrong sum, and the largest rank's resident memory, descriptors and threads (and the
-machine's slipstream shared-memory segments) at the start, after the 1,000th call, half-way, at
+shared-memory segments named by the job's ranks) at the start, after the 1,000th call, half-way, at
 the end of the calls and after the group cycles. It exits 1 when a result differed, memory
 grew 5% or more from the 1,000th call to the end, or descriptors, threads or segments changed
 from the 1,000th call to the end or over the group cycles. ``--control`` adds a row per layout
@@ -133,8 +133,8 @@ def run(args: argparse.Namespace) -> int:
     records = [_record(text, launch_worker("slipstream.bench.workers.soak", argv + ["--control"] * control, spec,
                                            timeout=args.timeout), control) for text, spec, control in runs]
     notes = ["each call run on the slipstream backend and on gloo with the same integer-valued inputs, "
-             "results compared exactly", "resources: the largest rank's (segments: the machine's slipstream "
-             f"segments); verdict: no result differing, RSS growth < {RSS_GROWTH:.0%} from the 1,000th call to the "
+             "results compared exactly", "resources: the largest rank's (segments: those named by the job's "
+             f"ranks); verdict: no result differing, RSS growth < {RSS_GROWTH:.0%} from the 1,000th call to the "
              "end, descriptors, threads and segments unchanged over that span and over the group cycles"]
     notes.append(f"C allocator settings from the environment: {' '.join(f'{k}={v}' for k, v in env.items())}" if env
                  else "C allocator: glibc's defaults (its mmap threshold rises, up to 32 MiB, to each mapped block "

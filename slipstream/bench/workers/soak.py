@@ -11,8 +11,8 @@ subgroup is made on the slipstream backend, used once (checked against the sum c
 here) and destroyed. With ``--control`` both sides, and the group cycles, run on gloo: the same
 process without slipstream in it, whose resources tell slipstream's from the rest.
 
-The rank's resident memory, open file descriptors and threads, and the machine's slipstream
-shared-memory segments, are read at the start, after the 1,000th call, half-way, at the end of
+The rank's resident memory, open file descriptors and threads, and the shared-memory segments
+named by the job's ranks (another job's on the machine are not counted), are read at the start, after the 1,000th call, half-way, at the end of
 the calls and after the group cycles. With ``--trim`` the C allocator first returns its free
 memory (glibc keeps freed blocks of up to 32 MiB in its heaps, so the resident memory of a
 process that frees large tensors of varying sizes grows without a leak).
@@ -21,6 +21,7 @@ process that frees large tensors of varying sizes grows without a leak).
 from __future__ import annotations
 
 import ctypes
+import functools
 import gc
 import math
 import os
@@ -33,7 +34,7 @@ import torch.distributed as dist
 
 import slipstream  # noqa: F401 - registers the backend
 from slipstream.cluster.worker import run_worker
-from slipstream.core_comm.collectives.segment import SHM_DIR
+from slipstream.core_comm.collectives.segment import SHM_DIR, creator
 
 KINDS = ("all_reduce", "reduce_scatter", "all_gather")
 REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
@@ -51,9 +52,10 @@ def trim_malloc() -> bool:
     return True
 
 
-def usage(trim: bool = False) -> dict:
+def usage(trim: bool = False, pids=None) -> dict:
     """This process's resident memory (MiB; of it, anonymous and shared memory), open descriptors
-    and threads; the machine's slipstream shared-memory segments. ``trim``: read once Python's
+    and threads; the slipstream shared-memory segments named by the processes ``pids`` (None:
+    every one on the machine). ``trim``: read once Python's
     cyclic garbage is collected and the C allocator has returned its free memory, so the memory
     is what the process uses, not what the allocator keeps for later."""
     if trim:
@@ -62,7 +64,8 @@ def usage(trim: bool = False) -> dict:
             raise SystemExit("--trim: this C library has no malloc_trim (glibc's)")
     with open("/proc/self/status") as f:
         status = f.read()
-    segments = [n for n in os.listdir(SHM_DIR) if n.startswith("slipstream")] if os.path.isdir(SHM_DIR) else []
+    names = os.listdir(SHM_DIR) if os.path.isdir(SHM_DIR) else []
+    segments = [n for n in names if creator(n) is not None and (pids is None or creator(n) in pids)]
     kib = {k: int(re.search(rf"{k}:\s+(\d+)", status).group(1)) for k in ("VmRSS", "RssAnon", "RssShmem")}
     return {"rss_mib": kib["VmRSS"] / 1024, "anon_mib": kib["RssAnon"] / 1024, "shmem_mib": kib["RssShmem"] / 1024,
             "threads": int(re.search(r"Threads:\s+(\d+)", status).group(1)),
@@ -120,7 +123,10 @@ def soak(args) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     groups = _groups(world, args.control)
     rng = random.Random(args.seed)  # the same draws on every rank
-    snapshots = {"start": usage(args.trim)}
+    pids: list = [None] * world  # the job's segments are named by its ranks' pids
+    dist.all_gather_object(pids, os.getpid(), group=groups[0][3])
+    read = functools.partial(usage, args.trim, set(pids))
+    snapshots = {"start": read()}
     differ, by_kind, started = [], {}, time.perf_counter()
     for i in range(args.collectives):
         call = _draw(rng, groups, args.max_bytes)
@@ -131,13 +137,13 @@ def soak(args) -> dict:
             key = call["kind"]
             by_kind[key] = by_kind.get(key, 0) + 1
         if i + 1 == min(1000, args.collectives):
-            snapshots["after_1000"] = usage(args.trim)
+            snapshots["after_1000"] = read()
         if i + 1 == args.collectives // 2:
-            snapshots["middle"] = usage(args.trim)
-    snapshots["end"] = usage(args.trim)
+            snapshots["middle"] = read()
+    snapshots["end"] = read()
     calls_s = time.perf_counter() - started
     cycles_wrong = _group_cycles(args.groups, world, rng, "gloo" if args.control else None)
-    snapshots["after_groups"] = usage(args.trim)
+    snapshots["after_groups"] = read()
     everyone: list = [None] * world
     dist.all_gather_object(everyone, {"rank": rank, "snapshots": snapshots, "differ": differ[:20],
                                       "differ_count": len(differ), "by_kind": by_kind,

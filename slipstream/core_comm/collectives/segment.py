@@ -74,6 +74,14 @@ def segment_name(pid: int) -> str:
     return f"{_PREFIX}{pid}-{secrets.token_hex(16)}"
 
 
+def creator(name: str) -> int | None:
+    """The pid in a segment's name made by ``segment_name``; None for any other name."""
+    parts = name[len(_PREFIX):].split("-")
+    if not name.startswith(_PREFIX) or len(parts) != 2 or not parts[0].isdigit() or len(parts[1]) != 32:
+        return None
+    return int(parts[0])
+
+
 def sweep_stale(directory: str = SHM_DIR) -> list[str]:
     """Remove the segments of dead slipstream processes (named by ``segment_name``, owned by
     this user, their creator gone; nothing else) and return their paths. A live segment's name
@@ -84,12 +92,12 @@ def sweep_stale(directory: str = SHM_DIR) -> list[str]:
     except OSError:
         return removed
     for name in names:
-        parts = name[len(_PREFIX):].split("-")
-        if not name.startswith(_PREFIX) or len(parts) != 2 or not parts[0].isdigit() or len(parts[1]) != 32:
+        pid = creator(name)
+        if pid is None:
             continue
         path = os.path.join(directory, name)
         try:
-            if os.stat(path, follow_symlinks=False).st_uid != os.getuid() or not _process_gone(int(parts[0])):
+            if os.stat(path, follow_symlinks=False).st_uid != os.getuid() or not _process_gone(pid):
                 continue
             os.unlink(path)
         except OSError:
