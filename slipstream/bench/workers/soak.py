@@ -12,10 +12,11 @@ here) and destroyed. With ``--control`` both sides, and the group cycles, run on
 process without slipstream in it, whose resources tell slipstream's from the rest.
 
 The rank's resident memory, open file descriptors and threads, and the shared-memory segments
-named by the job's ranks (another job's on the machine are not counted), are read at the start, after the 1,000th call, half-way, at the end of
-the calls and after the group cycles. With ``--trim`` the C allocator first returns its free
-memory (glibc keeps freed blocks of up to 32 MiB in its heaps, so the resident memory of a
-process that frees large tensors of varying sizes grows without a leak).
+named by the job's ranks (another job's on the machine are not counted), are read at the start,
+after the 1,000th call, half-way, at the end of the calls and after the group cycles. With
+``--trim`` the C allocator first returns its free memory (glibc keeps freed blocks of up to
+32 MiB in its heaps, so the resident memory of a process that frees large tensors of varying
+sizes grows without a leak).
 """
 
 from __future__ import annotations
