@@ -22,7 +22,6 @@ sizes grows without a leak).
 from __future__ import annotations
 
 import ctypes
-import functools
 import gc
 import math
 import os
@@ -126,7 +125,11 @@ def soak(args) -> dict:
     rng = random.Random(args.seed)  # the same draws on every rank
     pids: list = [None] * world  # the job's segments are named by its ranks' pids
     dist.all_gather_object(pids, os.getpid(), group=groups[0][3])
-    read = functools.partial(usage, args.trim, set(pids))
+
+    def read() -> dict:  # once every rank is here: none is half-way through setting up a group's segment
+        dist.barrier(group=groups[0][3])
+        return usage(args.trim, set(pids))
+
     snapshots = {"start": read()}
     differ, by_kind, started = [], {}, time.perf_counter()
     for i in range(args.collectives):
