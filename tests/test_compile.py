@@ -313,7 +313,7 @@ def test_the_decision_is_cached_and_a_new_shape_or_version_searches_again(tmp_pa
     cfg = _cfg(tmp_path, strategies=("inductor",), measure_rounds=1)
     _, first = _pair()
     slipstream.compile(first, config=cfg)
-    _train(first, _batches(6))
+    _train(first, _batches(8))  # eager, the compile, a warm-up step, timed steps and a switch's untimed one
     chosen = slipstream.compile_report(first).chosen
     assert slipstream.compile_report(first).cache_file
 
@@ -363,6 +363,50 @@ def test_a_short_run_compiles_nothing_its_budget_cannot_pay_for(tmp_path):
     assert report.eager_step_s > 0 and report.budget_s == pytest.approx(0.05 * 6 * report.eager_step_s)
     assert "5% of 6 steps" in report.budget_basis and "search cost" in report.table()
     torch.testing.assert_close(ours[0], ref[0], rtol=0, atol=0)  # eager every step: the same numbers
+
+
+class Switched(Net):
+    """Net whose steps take 100 ms, and eager's 30 ms more right after a compiled step (as a
+    switch's cost: the allocator's and caches' state)."""
+
+    after_compiled = False
+
+    def forward(self, x, y):
+        if not torch.compiler.is_compiling():
+            time.sleep(0.13 if Switched.after_compiled else 0.1)
+            Switched.after_compiled = False
+        return super().forward(x, y)
+
+
+def test_the_first_step_after_a_switch_is_not_timed(tmp_path, monkeypatch):
+    """Interleaved timing would charge every eager step the switch from the compiled one and
+    choose inductor (1.3x); untimed first steps after a switch measure both alike: eager stays."""
+    build = strategy.build
+
+    def slowed(s, eager_forward, regions):
+        applied = build(s, eager_forward, regions)
+        inner = applied.forward
+
+        def forward(*args, **kwargs):
+            time.sleep(0.1)
+            Switched.after_compiled = True
+            return inner(*args, **kwargs)
+
+        applied.forward = forward
+        return applied
+
+    monkeypatch.setattr(strategy, "build", slowed)
+    eager, model = Net(), Switched()
+    model.load_state_dict(eager.state_dict())
+    batches = _batches(20)
+    ref = _train(eager, batches)
+    slipstream.compile(model, config=_cfg(tmp_path, strategies=("inductor",), measure_rounds=3, cache=False))
+    ours = _train(model, batches)
+    report = slipstream.compile_report(model)
+    by = {c.name: c for c in report.candidates}
+    assert report.decided_at_step is not None and len(by["eager"].step_s) == 3, report.table()
+    assert report.chosen == "eager", report.table()
+    _close(ours, ref)
 
 
 def test_a_decisive_winner_ends_the_search_and_goes_first_next_time(tmp_path, monkeypatch):

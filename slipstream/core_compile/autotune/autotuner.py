@@ -17,7 +17,7 @@ its length is known):
    the CPU (``CompileConfig.background``) a process of its own compiles it first while the
    steps run eagerly, so that its compile here loads inductor's kernels from the cache;
 3. the survivors, eager included, take turns for up to ``measure_rounds`` rounds of timed
-   steps (interleaved, so a slow spell of the machine hits all of them); each step's time is
+   steps (interleaved, so a slow spell hits all; a switch's first step is untimed); each step's time is
    divided by its batch's elements (lengths vary). From round two, a candidate the steps so far
    decide against is not timed further, and the search stops as soon as the rest is decided
    (``_prune``); the fastest median wins if it beats eager by ``min_speedup``, else eager does.
@@ -78,6 +78,7 @@ class Autotuner:
         self.survivors: list[str] = []
         self.warm_left = 0
         self.active: str = "eager"
+        self.last = "eager"  # the strategy of the search's last step
         self.timed: tuple | None = None  # (name, start, units) of the step being timed
         self.search_start = 0.0
         self.first_signature = None
@@ -200,10 +201,10 @@ class Autotuner:
             self.warm_left -= 1
             return self._call(self.active, args, kwargs)
         if self.step == 1 and self.pending:  # the first candidate waits a step: has the shape changed by then?
-            return self.eager(*args, **kwargs)
+            return self._call("eager", args, kwargs)
         if self.step in (2, 3) and self.pending and self.config.expected_steps:  # eager's step, for the budget
             self.probe = now
-            return self.eager(*args, **kwargs)
+            return self._call("eager", args, kwargs)
         while self.pending:
             s = self.pending.popleft()
             why = self._skip(s)
@@ -221,7 +222,7 @@ class Autotuner:
                     self.by_name[s.name], s, args, kwargs, self.budget, unlisted and self.report.graph_count is None):
                 self.pending.appendleft(s)
                 if s.name in self.prebuilds.beside:  # compiling beside training: eager steps meanwhile
-                    return self.eager(*args, **kwargs)
+                    return self._call("eager", args, kwargs)
                 continue  # it failed there: weighed again at its cost here
             if unlisted:
                 self.listed = True
@@ -244,7 +245,9 @@ class Autotuner:
         if decided or not timed or len(self.survivors) == 1:
             self._decide()
             return self._run_chosen(args, kwargs)
-        name = min(timed, key=lambda n: len(self.by_name[n].step_s))
+        name = min(timed, key=lambda n: (len(self.by_name[n].step_s), n != self.last))
+        if name != self.last:  # a switch's first step pays for it (BERT-mini: eager's after a compiled one, +4%)
+            return self._call(name, args, kwargs)
         self.timed = (name, now, check.units(args, kwargs))
         return self._call(name, args, kwargs)
 
@@ -428,6 +431,7 @@ class Autotuner:
     def _call(self, name: str, args, kwargs):
         """One step of ``name``: its regions switched on (they compile inside the eager forward),
         dynamo's limit raised and recompiles watched."""
+        self.last = name
         if name == "eager":
             return self.eager(*args, **kwargs)
         applied = self.built[name]
