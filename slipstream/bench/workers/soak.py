@@ -65,7 +65,7 @@ def usage(trim: bool = False, pids=None) -> dict:
     with open("/proc/self/status") as f:
         status = f.read()
     names = os.listdir(SHM_DIR) if os.path.isdir(SHM_DIR) else []
-    segments = [n for n in names if creator(n) is not None and (pids is None or creator(n) in pids)]
+    segments = [n for n in names if (pid := creator(n)) is not None and (pids is None or pid in pids)]
     kib = {k: int(re.search(rf"{k}:\s+(\d+)", status).group(1)) for k in ("VmRSS", "RssAnon", "RssShmem")}
     return {"rss_mib": kib["VmRSS"] / 1024, "anon_mib": kib["RssAnon"] / 1024, "shmem_mib": kib["RssShmem"] / 1024,
             "threads": int(re.search(r"Threads:\s+(\d+)", status).group(1)),
