@@ -228,8 +228,9 @@ def test_a_skewed_candidate_is_rejected_by_the_search(tmp_path):
     assert torch.equal(ours[0], ref[0])
 
 
-def _slowed(monkeypatch, name: str, seconds: float) -> None:
-    """Strategy ``name``'s steps take ``seconds`` more (a sleep before its forward)."""
+def _slowed(monkeypatch, name: str, seconds: float, then=None) -> None:
+    """Strategy ``name``'s steps take ``seconds`` more (a sleep before its forward), and call
+    ``then`` if given."""
     build = strategy.build
 
     def slowed(s, eager_forward, regions):
@@ -239,6 +240,8 @@ def _slowed(monkeypatch, name: str, seconds: float) -> None:
 
             def forward(*args, **kwargs):
                 time.sleep(seconds)
+                if then is not None:
+                    then()
                 return inner(*args, **kwargs)
 
             applied.forward = forward
@@ -381,21 +384,7 @@ class Switched(Net):
 def test_the_first_step_after_a_switch_is_not_timed(tmp_path, monkeypatch):
     """Interleaved timing would charge every eager step the switch from the compiled one and
     choose inductor (1.3x); untimed first steps after a switch measure both alike: eager stays."""
-    build = strategy.build
-
-    def slowed(s, eager_forward, regions):
-        applied = build(s, eager_forward, regions)
-        inner = applied.forward
-
-        def forward(*args, **kwargs):
-            time.sleep(0.1)
-            Switched.after_compiled = True
-            return inner(*args, **kwargs)
-
-        applied.forward = forward
-        return applied
-
-    monkeypatch.setattr(strategy, "build", slowed)
+    _slowed(monkeypatch, "inductor", 0.1, then=lambda: setattr(Switched, "after_compiled", True))
     eager, model = Net(), Switched()
     model.load_state_dict(eager.state_dict())
     batches = _batches(20)
