@@ -536,6 +536,51 @@ def test_a_candidate_compiled_beside_training_loads_its_kernels_from_the_cache_a
     assert "compiled beside training: on" in report.table() and report.to_dict()["background"] is None
 
 
+class SlowWhenCompiled(Net):
+    """Net whose compiled graph also multiplies a 512x512 matrix made of the input by itself 8
+    times, and adds 0 times the result (a buffer: no compiler folds it away): the same numbers,
+    and a compiled step many times eager's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("zero", torch.zeros(()))
+
+    def forward(self, x, y):
+        loss = super().forward(x, y)
+        if torch.compiler.is_compiling():
+            v = x.flatten()[:512]
+            w = torch.outer(v, v)
+            for _ in range(8):
+                w = w @ w
+                w = w / (w.abs().max() + 1)
+            loss = loss + self.zero * w.sum()
+        return loss
+
+
+def test_a_candidate_slower_than_eager_in_its_compile_process_is_never_compiled_in_training(tmp_path, monkeypatch):
+    from slipstream.core_compile.autotune import background
+
+    monkeypatch.setattr(background, "_busy", lambda device: False)  # a core to spare, on any machine
+    torch.manual_seed(0)
+    eager, model = SlowWhenCompiled(), SlowWhenCompiled()
+    model.load_state_dict(eager.state_dict())
+    before, compiled_here = _prebuild_dirs(), strategy.Counter.in_process
+    slipstream.compile(model, config=_cfg(tmp_path, background=True))
+    ours, ref = _train_until_decided(model, eager, _batches(4))
+    report = slipstream.compile_report(model)
+    by_name = {c.name: c for c in report.candidates}
+    inductor = by_name["inductor"]
+    assert report.chosen == "eager" and inductor.status == "skipped", report.table()
+    assert "faster than eager's forward and backward in its compile process" in inductor.reason, report.table()
+    timed = re.search(r"timed there: a forward and backward ([\d.]+) ms against eager's ([\d.]+) ms", inductor.beside)
+    assert timed and float(timed.group(1)) > 1.05 * float(timed.group(2)), inductor.beside
+    # the whole model lost as one graph: its regions are not compiled either
+    assert by_name["regions"].status == "skipped" and "one graph" in by_name["regions"].reason, report.table()
+    assert strategy.Counter.in_process == compiled_here, report.table()  # nothing compiled in this process
+    torch.testing.assert_close(ours, ref, rtol=0, atol=0)  # every step eager
+    assert _prebuild_dirs() == before
+
+
 class Unpicklable(Net):
     """Net holding a lambda: it cannot be sent to a compile process."""
 

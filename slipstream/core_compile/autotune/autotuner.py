@@ -94,7 +94,8 @@ class Autotuner:
         self.cold: str | None = None  # the candidate compiled first in this process
         self.listed = False
         self.background: str | None = None  # why no candidate may be compiled beside training; None: they may
-        self.prebuilds = background.Prebuilds(group, module, self.previous)  # candidates compiled beside training
+        self.prebuilds = background.Prebuilds(group, module, self.previous,  # candidates compiled beside training
+                                              config.min_speedup if config.strategies is None else None)
         setattr(self, MARKER, True)
 
     # ------------------------------------------------------------------ the step
@@ -207,12 +208,7 @@ class Autotuner:
             return self._call("eager", args, kwargs)
         while self.pending:
             s = self.pending.popleft()
-            why = self._skip(s)
-            if why:
-                self.prebuilds.stop(s.name)
-                self.by_name[s.name].status, self.by_name[s.name].reason = "skipped", why
-                continue
-            why = self._over_budget(s)
+            why = self._skip(s) or self._over_budget(s)
             if why:
                 self.prebuilds.stop(s.name)
                 self.by_name[s.name].status, self.by_name[s.name].reason = "skipped", why
@@ -227,6 +223,9 @@ class Autotuner:
             if unlisted:
                 self.listed = True
                 self._list_breaks(args, kwargs)
+            if s.name in self.prebuilds.lost:  # timed beside training: it cannot win
+                self.by_name[s.name].status, self.by_name[s.name].reason = "skipped", self.prebuilds.lost[s.name]
+                continue
             ok = self._try(s, args, kwargs)
             if agree(self.group, [0.0 if ok else 1.0])[0] == 0.0:
                 self.survivors.append(s.name)
@@ -253,16 +252,16 @@ class Autotuner:
 
     def _skip(self, s: strategy.Strategy) -> str | None:
         """Why ``s`` is not worth measuring (``strategy.not_worth``), or None. The ranks agree on
-        whether the batches have changed shape so far, and on whether the model is one graph:
-        the graph breaks listed (with ranks on a node, only the one that listed them knows),
-        else the whole-model candidate's graphs."""
+        whether the batches have changed shape so far, and on whether the model is one graph
+        (once the whole-model candidate passed its check, or lost beside training): the graph
+        breaks listed (with ranks on a node, only the one that listed them knows), else its graphs."""
         if self.config.strategies is not None:
             return None  # named by the user: measured
         variant = next((p for p in self.pending if p.dynamic and (p.scope, p.mode) == (s.scope, s.mode)), None)
         varied = bool((s.dynamic is not None or variant) and agree(self.group, [float(self.shapes_vary)])[0])
         whole = self.by_name.get(getattr(strategy.whole_model(s), "name", None))
         one_graph = False
-        if whole is not None and whole.status == "measured":  # compiled and passed its check, on every rank
+        if whole is not None and (whole.status == "measured" or whole.name in self.prebuilds.lost):
             count = self.report.graph_count
             known, split, graphs = agree(self.group, [float(count is not None), float(count not in (None, 1)),
                                                       float(whole.graphs != 1)])

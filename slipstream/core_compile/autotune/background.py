@@ -5,9 +5,16 @@ candidate with the training process's backend, threads and inductor settings, an
 forward and backward, which fills inductor's on-disk caches (its FX graph and AOTAutograd
 caches). Training goes on eagerly meanwhile. The candidate's own compile in the training
 process then loads the generated kernels from those caches instead of generating them (BERT-mini
-on a 2-core CPU: 3.3 s instead of 22-24 s). The copy only warms caches: the training process still
-traces, compiles, checks and times its own graph, so a copy that differs (a patch made outside
-the model that the copy lacks) costs time, never a result.
+on a 2-core CPU: 3.3 s instead of 22-24 s). The training process still traces, compiles, checks
+and times its own graph.
+
+With a core to spare, the process then times a forward and backward of the copy, eager and
+compiled in turns (``_prebuild._timed``). A candidate not ``min_speedup`` times faster there is
+not compiled in the training process at all (``Prebuilds.lost``): the rest of a step (the
+optimizer, the data) takes the same time with either, so over a whole step it would gain less
+still. On BERT-mini, that compile in the training loop (its kernels loaded from the cache) was
+3.7-3.9 s of the search's 4.3 s. A copy that differs from the model (a patch made outside it
+that the copy lacks) can cost time or a candidate's win, never a result.
 
 The process is started fresh, not forked: a child forked from a process whose OpenMP threads
 have run hung in its first parallel region (torch 2.13, CPU build, here). So the model goes
@@ -20,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import statistics
 import shutil
 import signal
 import subprocess
@@ -141,16 +149,17 @@ class Prebuild:
 
     @classmethod
     def start(cls, module: torch.nn.Module, forward, strategy, args, kwargs, timeout_s: float,
-              busy: bool, list_breaks: bool = False) -> "Prebuild | str":
+              busy: bool, list_breaks: bool = False, timed: bool = False) -> "Prebuild | str":
         """Start compiling ``strategy`` on a copy of ``module`` whose ``forward`` is ``forward``
         (the instance's own, None for the class's), or why it cannot be (a string). ``busy``:
         training's threads take every core, so the compile takes one thread (inductor's default
         is one per core). ``list_breaks``: list the graph breaks there first (``result``'s
-        ``graph_count`` and ``graph_breaks``), a dynamo trace the training loop then skips."""
+        ``graph_count`` and ``graph_breaks``), a dynamo trace the training loop then skips. ``timed``:
+        time eager and the candidate there (``result``'s ``timed``), unless ``busy``."""
         directory = tempfile.mkdtemp(prefix=f"slipstream-prebuild-{os.getpid()}-")
         job = {"module": module, "strategy": strategy.name, "args": args, "kwargs": kwargs,
                "threads": torch.get_num_threads(), "autocast": _autocast(), "timeout_s": timeout_s,
-               "list_breaks": list_breaks}
+               "list_breaks": list_breaks, "timed": timed and not busy}
         try:
             with _forward_as(module, forward):
                 torch.save(job, os.path.join(directory, "job.pt"))
@@ -204,13 +213,15 @@ class Prebuilds:
     """A search's compile processes, one per candidate, one per node (its first local rank
     starts them; the node's ranks share inductor's cache)."""
 
-    def __init__(self, group, module: torch.nn.Module, forward) -> None:
+    def __init__(self, group, module: torch.nn.Module, forward, margin: float | None = None) -> None:
         self.group, self.module, self.forward = group, module, forward
+        self.margin = margin  # min_speedup, to screen candidates by their timing there; None: no timing
         self.device = torch.device("cpu")  # the model's, set at the first step
         self.beside: set = set()  # the candidates to compile beside training
         self.started: dict = {}  # name -> Prebuild, or why none runs here
         self.failed: set = set()  # compiled beside training without success: compiled here
         self.listing: tuple | None = None  # (graphs, breaks) listed by a compile process
+        self.lost: dict = {}  # name -> why: not margin times faster than eager in its compile process
 
     def cost(self, s, priors, modules: int, choice: bool | None) -> tuple[float, str]:
         """(seconds ``s`` is expected to cost training, where the figure comes from), given
@@ -242,7 +253,7 @@ class Prebuilds:
         cost here."""
         if s.name not in self.started:
             self.started[s.name] = (Prebuild.start(self.module, self.forward, s, args, kwargs, timeout_s,
-                                                   _busy(self.device), list_breaks)
+                                                   _busy(self.device), list_breaks, self.margin is not None)
                                     if first_on_node() else "compiled beside training by the node's first rank")
         pre = self.started[s.name]
         running = isinstance(pre, Prebuild) and pre.poll() is None
@@ -269,7 +280,26 @@ class Prebuilds:
             del self.started[s.name]
             cand.background_s = None
             return False
+        if self.margin is not None:
+            self._screen(cand, s.name, pre.result if isinstance(pre, Prebuild) else {})
         return True
+
+    def _screen(self, cand, name: str, result: dict) -> None:
+        """Note the timing of candidate ``cand`` in its compile process, and put it in ``lost``
+        unless its forward and backward there were ``margin`` times faster than eager's. The
+        ranks agree on the mean of the medians over the processes that timed (one per node)."""
+        timed = result.get("timed") or {}
+        has = min(len(timed.get("eager", ())), len(timed.get("compiled", ()))) >= 2
+        mine = [statistics.median(timed["eager"]), statistics.median(timed["compiled"])] if has else [0.0, 0.0]
+        share, eager, compiled = agree(self.group, [float(has), *mine], mean=True)
+        if not share:
+            return
+        cand.graphs = result.get("graphs", cand.graphs)
+        cand.beside += (f"; timed there: a forward and backward {compiled / share * 1e3:.1f} ms against eager's "
+                        f"{eager / share * 1e3:.1f} ms (medians)")
+        if compiled * self.margin >= eager:
+            self.lost[name] = (f"not {self.margin:g}x faster than eager's forward and backward in its compile "
+                               f"process ({eager / compiled:.2f}x): not compiled in training")
 
     def stop(self, name: str | None = None) -> None:
         """Stop ``name``'s compile process (None: every one)."""

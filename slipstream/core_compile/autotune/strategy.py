@@ -84,7 +84,7 @@ def whole_model(s: Strategy) -> Strategy | None:
 def not_worth(s: Strategy, variant: Strategy | None, varied: bool, one_graph: str | None) -> str | None:
     """Why ``s`` is not worth measuring, or None, given its dynamic ``variant`` still to come,
     whether the batches have changed shape so far, and the whole-model strategy that compiled
-    the model as one graph and passed its check (None if none did):
+    the model as one graph and passed its check, or lost to eager beside training (None if none):
     - dynamic variants only when the shapes have changed; when they have, no static graph (it
       recompiles at every shape), and no default one whose dynamic variant is still to come (the
       default recompiles once, into that variant);
