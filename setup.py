@@ -1,6 +1,8 @@
 """Installs ``slipstream-autoload.pth`` beside the package, in wheels and editable installs
-alike: one line, ``import slipstream_autoload`` (see that module: it imports no torch and does
-nothing unless a job asks for slipstream; ``SLIPSTREAM_AUTOLOAD=0`` turns it off).
+alike: one line that imports ``slipstream_autoload`` (see that module: it imports no torch and
+does nothing unless a job asks for slipstream; ``SLIPSTREAM_AUTOLOAD=0`` turns it off). Where
+the module is gone but the line stays (an editable install whose checkout was then deleted),
+the line does nothing: a plain import would print a traceback at every start of Python.
 Everything else about the package is in pyproject.toml."""
 
 from pathlib import Path
@@ -10,7 +12,7 @@ from setuptools.command.build_py import build_py
 from setuptools.command.editable_wheel import editable_wheel
 
 PTH = "slipstream-autoload.pth"
-LINE = "import slipstream_autoload\n"
+LINE = 'import importlib.util as u; u.find_spec("slipstream_autoload") and __import__("slipstream_autoload")\n'
 
 
 class BuildPyWithHook(build_py):

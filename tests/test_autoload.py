@@ -1,7 +1,10 @@
 """enable()'s stack hooks: installed when the stack is imported, without importing it first."""
 
+import ast
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -67,3 +70,21 @@ def test_status_reads_slipstream_autoload_as_the_start_up_hook_does(monkeypatch,
         monkeypatch.setenv("SLIPSTREAM_AUTOLOAD", value)
     hook_on = slipstream_autoload._flag("SLIPSTREAM_AUTOLOAD", True)
     assert (slipstream.status()["autoload"] == "off (SLIPSTREAM_AUTOLOAD=0)") is (not hook_on)
+
+
+def test_the_start_up_line_runs_the_hook_and_is_silent_once_the_hook_is_gone(tmp_path):
+    """The .pth line that setup.py installs, read by ``site`` in an interpreter that sees no
+    installed slipstream (-I -S): with the hook module on the path it imports it; without it
+    (an editable install whose checkout was deleted), it prints nothing."""
+    setup = (Path(__file__).resolve().parents[1] / "setup.py").read_text()
+    line = ast.literal_eval(re.search(r"^LINE = (.+)$", setup, re.M).group(1))
+    site_dir, hook_dir = tmp_path / "site", tmp_path / "hook"
+    site_dir.mkdir()
+    hook_dir.mkdir()
+    (site_dir / "slipstream-autoload.pth").write_text(line)
+    (hook_dir / "slipstream_autoload.py").write_text("print('hook ran')\n")
+    code = f"import site, sys; sys.path[:0] = sys.argv[1:]; site.addsitedir({str(site_dir)!r})"
+    for path, expected in (([str(hook_dir)], "hook ran\n"), ([], "")):
+        proc = subprocess.run([sys.executable, "-I", "-S", "-c", code, *path], cwd=tmp_path, capture_output=True,
+                              text=True, timeout=60)
+        assert (proc.returncode, proc.stdout, proc.stderr) == (0, expected, ""), proc
