@@ -747,3 +747,32 @@ def test_ddp_ranks_agree_on_the_choice_and_train_like_eager_ddp(tmp_path):
     assert out[0]["chosen"] == out[1]["chosen"] and out[0]["statuses"] == out[1]["statuses"]
     for o in out:
         _close(o["ours"], o["eager"])
+
+
+def _beside_rank(rank, world, cache_dir):
+    from slipstream.core_compile.autotune import background
+
+    os.environ["LOCAL_RANK"] = str(rank)  # one node: its first rank starts the compile process
+    background._busy = lambda device: False  # a core to spare, on any machine
+    torch.manual_seed(0)
+    ref = SlowWhenCompiled()
+    model = copy.deepcopy(ref)
+    slipstream.compile(model, config=CompileConfig(cache_dir=cache_dir, verbose=False, background=True))
+    ours, eager = _train_until_decided(model, ref, _batches(4, seed=rank))
+    report = slipstream.compile_report(model)
+    inductor = next(c for c in report.candidates if c.name == "inductor")
+    return to_bytes({"eager": eager, "ours": ours, "chosen": report.chosen, "reason": inductor.reason,
+                     "beside": inductor.beside, "statuses": {c.name: c.status for c in report.candidates}})
+
+
+def test_ranks_agree_on_a_candidate_timed_by_the_nodes_compile_process(tmp_path):
+    """Only the node's first rank compiles and times the candidate beside training; every rank
+    skips it alike, and trains eagerly."""
+    out = from_bytes(run_ranks(_beside_rank, 2, str(tmp_path / "cache"), timeout=600))
+    assert out[0]["statuses"] == out[1]["statuses"] and out[0]["statuses"]["inductor"] == "skipped", out
+    assert out[0]["chosen"] == out[1]["chosen"] == "eager"
+    assert out[0]["beside"].startswith("compiled beside training first"), out[0]["beside"]
+    assert out[1]["beside"].startswith("compiled beside training by the node's first rank"), out[1]["beside"]
+    for o in out:
+        assert "in its compile process" in o["reason"] and "timed there" in o["beside"], o
+        torch.testing.assert_close(o["ours"], o["eager"], rtol=0, atol=0)
