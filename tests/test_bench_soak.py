@@ -79,6 +79,27 @@ def test_a_control_row_runs_gloo_on_both_sides_and_does_not_decide_the_exit(tmp_
     assert control["rss_growth"] == [0.5, 0.5] and control["layout"].startswith("1x2 (control")
 
 
+def test_the_runs_done_are_written_before_the_next_starts(tmp_path, monkeypatch, capsys):
+    """A soak stopped in its control run (its timeout, a signal) keeps the run before it."""
+    from slipstream.bench import soak
+
+    out, md = tmp_path / "soak.json", tmp_path / "soak.md"
+
+    def launch_worker(module, argv, spec, timeout):
+        if "--control" in argv:
+            assert [r["layout"] for r in json.loads(out.read_text())] == ["1x2"] and "partial: 1 of 2" in md.read_text()
+            raise KeyboardInterrupt  # stopped in its second run
+        return _raw() | {"world_size": 2, "collectives": 1000, "group_cycles": 0, "calls_s": 1.0}
+
+    monkeypatch.setattr(soak, "launch_worker", launch_worker)
+    with pytest.raises(KeyboardInterrupt):
+        main(["bench", "soak", "--layouts", "1x2", "--collectives", "1000", "--control", "--json", str(out),
+              "--markdown", str(md)])
+    (ours,) = json.loads(out.read_text())
+    assert ours["failed"] == [] and not ours["control"] and "| 1x2 |" in md.read_text()
+    assert "partial" not in capsys.readouterr().out  # the partial report goes to the files only
+
+
 _HEAP = """
 import ctypes, re
 from slipstream.bench.workers.soak import trim_malloc, usage

@@ -76,10 +76,11 @@ def table(columns: Sequence[str], align: str, rows: Iterable[Sequence[object]]) 
     return [line(columns), "|" + "".join("---:|" if a == "r" else "---|" for a in align), *map(line, rows)]
 
 
-def emit(report: str, data, args, *, indent: int = 1) -> None:
-    """Print ``report``; write ``data`` as JSON to ``args.json`` and ``report`` to
-    ``args.markdown`` when those options were given."""
-    sys.stdout.write(report)
+def emit(report: str, data, args, *, indent: int = 1, show: bool = True) -> None:
+    """Print ``report`` (unless not ``show``); write ``data`` as JSON to ``args.json`` and
+    ``report`` to ``args.markdown`` when those options were given."""
+    if show:
+        sys.stdout.write(report)
     if getattr(args, "json", None):
         with open(args.json, "w") as f:
             json.dump(data, f, indent=indent)

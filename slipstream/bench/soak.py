@@ -129,9 +129,6 @@ def run(args: argparse.Namespace) -> int:
     command = " ".join([*(f"{k}={v}" for k, v in env.items()), "slipstream bench soak",
                         *flags(args, "layouts", "max_bytes", "control"), *argv[:-2]])
     sys.stdout.write(command + "\n")
-    runs = [(text, spec, control) for text, spec in layouts for control in (False, True)[:1 + args.control]]
-    records = [_record(text, launch_worker("slipstream.bench.workers.soak", argv + ["--control"] * control, spec,
-                                           timeout=args.timeout), control) for text, spec, control in runs]
     notes = ["each call run on the slipstream backend and on gloo with the same integer-valued inputs, "
              "results compared exactly", "resources: the largest rank's (segments: those named by the job's "
              f"ranks); verdict: no result differing, RSS growth < {RSS_GROWTH:.0%} from the 1,000th call to the "
@@ -145,5 +142,13 @@ def run(args: argparse.Namespace) -> int:
     if args.control:
         notes.append("a control row runs the same draws with gloo on both sides, and its group cycles on gloo: "
                      "the process without slipstream; its verdict does not count")
+    runs = [(text, spec, control) for text, spec in layouts for control in (False, True)[:1 + args.control]]
+    records = []
+    for text, spec, control in runs:
+        raw = launch_worker("slipstream.bench.workers.soak", argv + ["--control"] * control, spec, timeout=args.timeout)
+        records.append(_record(text, raw, control))
+        if len(records) < len(runs):  # the runs done are kept, should a later one be stopped
+            partial = f"partial: {len(records)} of {len(runs)} runs done"
+            emit(page(command, [*notes, partial], _table(records)), records, args, show=False)
     emit(page(command, notes, _table(records)), records, args)
     return 0 if not any(r["failed"] for r in records if not r["control"]) else 1
