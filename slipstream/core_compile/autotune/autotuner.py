@@ -203,7 +203,8 @@ class Autotuner:
             return self._call(self.active, args, kwargs)
         if self.step == 1 and self.pending:  # the first candidate waits a step: has the shape changed by then?
             return self._call("eager", args, kwargs)
-        if self.step in (2, 3) and self.pending and self.config.expected_steps:  # eager's step, for the budget
+        if self.step in (2, 3) and self.pending and (self.config.expected_steps or self.background is None):
+            # eager's step, for the budget and the search's cost (beside training, none may be timed in rounds)
             self.probe = now
             return self._call("eager", args, kwargs)
         while self.pending:
