@@ -159,7 +159,10 @@ def test_launcher_cleanup_removes_only_the_locks_of_its_gone_ranks(tmp_path):
 
 # --- DeepSpeed jobs that meet a stale lock ---------------------------------------------------
 
-JOB_TIMEOUT_S = 60
+JOB_TIMEOUT_S = 180
+"""A bound on a 2-step job. 60 s was passed under load 7 by a job that did not wait on the lock
+(its ranks only slow); 180 s is still far under the lock's 900 s wait, so a job that waits on
+the lock fails it."""
 
 
 def _finetune(tmp_path, ext, *extra) -> tuple[int, str, float]:

@@ -369,31 +369,33 @@ def test_a_short_run_compiles_nothing_its_budget_cannot_pay_for(tmp_path):
 
 
 class Switched(Net):
-    """Net whose steps take 100 ms, and eager's 30 ms more right after a compiled step (as a
+    """Net whose steps take 200 ms, and eager's twice that right after a compiled step (as a
     switch's cost: the allocator's and caches' state)."""
 
     after_compiled = False
 
     def forward(self, x, y):
         if not torch.compiler.is_compiling():
-            time.sleep(0.13 if Switched.after_compiled else 0.1)
+            time.sleep(0.4 if Switched.after_compiled else 0.2)
             Switched.after_compiled = False
         return super().forward(x, y)
 
 
 def test_the_first_step_after_a_switch_is_not_timed(tmp_path, monkeypatch):
     """Interleaved timing would charge every eager step the switch from the compiled one and
-    choose inductor (1.3x); untimed first steps after a switch measure both alike: eager stays."""
-    _slowed(monkeypatch, "inductor", 0.1, then=lambda: setattr(Switched, "after_compiled", True))
+    choose inductor (2x); untimed first steps after a switch measure both alike: eager stays.
+    The margin (1.5x) is wide: under load 7 a step here took up to 80 ms more than its sleep."""
+    _slowed(monkeypatch, "inductor", 0.2, then=lambda: setattr(Switched, "after_compiled", True))
     eager, model = Net(), Switched()
     model.load_state_dict(eager.state_dict())
     batches = _batches(20)
     ref = _train(eager, batches)
-    slipstream.compile(model, config=_cfg(tmp_path, strategies=("inductor",), measure_rounds=3, cache=False))
+    slipstream.compile(model, config=_cfg(tmp_path, strategies=("inductor",), measure_rounds=3, cache=False,
+                                          min_speedup=1.5))
     ours = _train(model, batches)
     report = slipstream.compile_report(model)
     by = {c.name: c for c in report.candidates}
-    assert report.decided_at_step is not None and len(by["eager"].step_s) == 3, report.table()
+    assert report.decided_at_step is not None and len(by["eager"].step_s) >= 2, report.table()
     assert report.chosen == "eager", report.table()
     _close(ours, ref)
 
@@ -577,6 +579,8 @@ def test_a_candidate_slower_than_eager_in_its_compile_process_is_never_compiled_
     # the whole model lost as one graph: its regions are not compiled either
     assert by_name["regions"].status == "skipped" and "one graph" in by_name["regions"].reason, report.table()
     assert strategy.Counter.in_process == compiled_here, report.table()  # nothing compiled in this process
+    # no eager step was timed in rounds: the cost is reckoned from eager steps timed before the compile process
+    assert report.eager_step_s and report.overhead_s() < report.search_s, report.table()
     torch.testing.assert_close(ours, ref, rtol=0, atol=0)  # every step eager
     assert _prebuild_dirs() == before
 
