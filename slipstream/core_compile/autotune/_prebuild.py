@@ -6,8 +6,8 @@ compiles the strategy as the training process does (``strategy.build``), runs on
 one backward (``torch.autograd.grad``: the backward graph compiles too), if asked times a
 forward and backward of eager and of the compiled strategy in turns (``_timed``), writes
 ``DIR/done`` (its graphs, how many inductor generated or loaded from its cache, the graph breaks
-and the timings) and waits to be stopped. It exits on its own once its parent is gone (removing ``DIR``) or, still
-compiling, once ``timeout_s`` has passed.
+and the timings) and waits to be stopped. It exits on its own once its parent is gone
+(removing ``DIR``) or, still compiling, once ``timeout_s`` has passed.
 """
 
 from __future__ import annotations

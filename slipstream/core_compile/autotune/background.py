@@ -27,9 +27,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import statistics
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
