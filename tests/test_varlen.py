@@ -308,6 +308,20 @@ def test_shift_labels_in_padded_layout_are_honoured():
     torch.testing.assert_close(a.loss, b.loss, rtol=1e-5, atol=1e-6)
 
 
+def test_shift_labels_of_a_packed_row_stop_at_each_boundary():
+    """``shift_labels`` made by shifting a packed row name the next sequence's first token as the
+    target of each sequence's last token: those targets are dropped, so the loss equals the
+    padded model's on the same sequences."""
+    ref = _model()
+    ours = apply_varlen(copy.deepcopy(ref))
+    ids, mask, labels = _padded([7, 19, 4])
+    flat, packed = PackedBatch.from_sequences([ids[i][mask[i].bool()] for i in range(len(ids))])
+    shift = torch.nn.functional.pad(flat[:, 1:], (0, 1), value=-100)
+    a = ours(input_ids=flat, position_ids=packed.position_ids, labels=flat, shift_labels=shift)
+    b = ref(input_ids=ids, attention_mask=mask, labels=labels)
+    torch.testing.assert_close(a.loss, b.loss, rtol=1e-5, atol=1e-6)
+
+
 def test_transformers_flattening_collator_batches_are_packed_sequences():
     """``DataCollatorWithFlattening`` (one row, ``position_ids`` restarting at 0 per sequence):
     the loss equals the padded model's on the same sequences."""

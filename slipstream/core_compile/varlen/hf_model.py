@@ -208,9 +208,15 @@ def _wants_original(kwargs, logits_to_keep=0) -> bool:
     return bool(logits_to_keep) or any(kwargs.get(k) not in (None, False) for k in _GENERATION_ARGS)
 
 
+@torch.compiler.disable
 def _resolve_packed(kwargs, attention_mask, input_ids, inputs_embeds, position_ids, *more):
     """The packed metadata for this call, whether the inputs are in padded layout, and
-    ``[input_ids, inputs_embeds, position_ids, *more]`` on the packed row."""
+    ``[input_ids, inputs_embeds, position_ids, *more]`` on the packed row.
+
+    Never traced by ``torch.compile``: it reads the boundaries to the host (``tolist``), so a
+    traced copy broke into 8 small graphs around it (llama-20m, ``dynamic=True``), each traced
+    and compiled, one of them not cacheable (a ``torch.tensor`` of the lengths). Run as it is,
+    it is one break, and its tensors are the next graph's inputs."""
     packed = kwargs.pop("packed", None)
     cu = kwargs.pop("cu_seq_lens_q", None)
     for name in ("cu_seq_lens_k", "max_length_q", "max_length_k"):
@@ -306,12 +312,15 @@ def _varlen_backbone_forward(self, input_ids=None, attention_mask=None, position
 
 
 def _packed_loss(model, logits, packed, labels, shift_labels, num_items_in_batch):
-    """The model's own causal-LM loss on the packed row, with no target across a boundary."""
-    starts_t = torch.tensor([s for s, n in zip(packed.offsets, packed.lengths) if n > 0], device=logits.device)
+    """The model's own causal-LM loss on the packed row, with no target across a boundary.
+
+    The boundaries come as a mask from the row's positions (0 at each sequence's first token),
+    not as a tensor built from the host's lengths: a ``torch.tensor`` call in a compiled graph
+    keeps AOTAutograd from caching it, so a compile process could not compile it for training."""
+    starts = packed.position_ids.reshape(-1).eq(0)  # (total_tokens,), each non-empty sequence's first token
     if labels is not None:
-        labels = labels.index_fill(-1, starts_t, -100)
-    if shift_labels is not None:
-        ends = starts_t[1:] - 1  # the last token of each sequence predicts the next sequence's start
-        shift_labels = shift_labels.index_fill(-1, ends, -100) if ends.numel() else shift_labels
+        labels = labels.masked_fill(starts, -100)
+    if shift_labels is not None:  # the last token of each sequence predicts the next sequence's start
+        shift_labels = shift_labels.masked_fill(torch.cat([starts[1:], starts.new_zeros(1)]), -100)
     return model.loss_function(logits=logits, labels=labels, vocab_size=model.config.vocab_size,
                                num_items_in_batch=num_items_in_batch, shift_labels=shift_labels)
