@@ -60,6 +60,7 @@ def main(directory: str, parent: int) -> int:
     import torch
 
     from . import check, diagnose, strategy
+    from .background import as_received
 
     # the lowest priority: training's threads come first, the compile takes what they leave
     os.nice(19)
@@ -69,6 +70,7 @@ def main(directory: str, parent: int) -> int:
     threading.Thread(target=_watch, args=(parent, deadline, directory, finished), daemon=True).start()
     torch.set_num_threads(job["threads"])  # inductor's CPU kernels and its cache key follow it
     module = job["module"]
+    job["args"], job["kwargs"] = as_received(job["args"]), as_received(job["kwargs"])
     chosen = next(s for s in strategy.STRATEGIES if s.name == job["strategy"])
     listing = {}
 

@@ -42,8 +42,8 @@ from .agree import agree
 from .diagnose import GraphBreak
 from .strategy import Counter
 
-__all__ = ["CONTENTION", "MAX_MODEL_BYTES", "WARM_SHARE", "Prebuild", "Prebuilds", "expected_cost", "first_on_node",
-           "wanted"]
+__all__ = ["CONTENTION", "MAX_MODEL_BYTES", "WARM_SHARE", "Prebuild", "Prebuilds", "as_received", "as_sent",
+           "expected_cost", "first_on_node", "wanted"]
 
 WARM_SHARE = 0.25
 """The training process's own compile of a candidate compiled beside it, as a share of a cold
@@ -157,7 +157,7 @@ class Prebuild:
         ``graph_count`` and ``graph_breaks``), a dynamo trace the training loop then skips. ``timed``:
         time eager and the candidate there (``result``'s ``timed``), unless ``busy``."""
         directory = tempfile.mkdtemp(prefix=f"slipstream-prebuild-{os.getpid()}-")
-        job = {"module": module, "strategy": strategy.name, "args": args, "kwargs": kwargs,
+        job = {"module": module, "strategy": strategy.name, "args": as_sent(args), "kwargs": as_sent(kwargs),
                "threads": torch.get_num_threads(), "autocast": _autocast(), "timeout_s": timeout_s,
                "list_breaks": list_breaks, "timed": timed and not busy}
         try:
@@ -227,18 +227,19 @@ class Prebuilds:
         """(seconds ``s`` is expected to cost training, where the figure comes from), given
         ``CompileConfig.background`` (``choice``; False where ``wanted`` said no). It is
         compiled beside training (``beside``) when ``choice`` is True, or when None and that
-        is expected to cost less than compiling here, for static shapes only; the ranks agree.
+        is expected to cost less than compiling here; the ranks agree.
 
-        Dynamic shapes: the two processes named the symbolic sizes differently (llama-20m
-        varlen, inductor-dynamic: ``s16`` here, ``s69`` there), so 2 of its 8 inductor graphs
-        missed the cache and its compile here still took 61-75 s against 85-105 s cold
-        (benchmarks/results/compile-beside_epyc-2core-kvm_2026-11-26.md)."""
+        Dynamic shapes too: the compile process's batch has other lengths than the step's
+        that compiles here, yet llama-20m varlen's inductor-dynamic loads both its graphs from
+        the cache here (6.4 s against 53 s cold). It did not while a ``torch.tensor`` of the
+        lengths sat in a graph (AOTAutograd does not cache those) and the packed metadata
+        was traced in 8 small graphs: 2 of them missed, and its compile here took 61-75 s."""
         cold, source = priors.compile_s(s, modules, True)  # a compile process starts cold
         if s.name in self.started:
             return cold * WARM_SHARE, f"{source}; its compile here after the one beside training"
         here, source_here = priors.compile_s(s, modules, Counter.in_process == 0)
         beside = expected_cost(cold, self.device)
-        worth = choice or (choice is None and not s.dynamic and beside < here)
+        worth = choice or (choice is None and beside < here)
         if choice is False or s.name in self.failed or not agree(self.group, [float(worth)])[0]:
             return here, source_here
         self.beside.add(s.name)
@@ -314,6 +315,36 @@ def _stop(proc: subprocess.Popen, directory: str) -> None:
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
     shutil.rmtree(directory, ignore_errors=True)
+
+
+class _View:
+    """A view among the step's inputs, as its base and its geometry. A pickle keeps a view's
+    storage but not that it is a view, and dynamo names a view's sizes after its base's
+    (``L['input_ids']._base.size()[0]``): rebuilt as a view, the compile process's graphs
+    are named as the training process's, so found in the cache. A packed llama's row (made
+    by ``unsqueeze``) under inductor-dynamic: 0 of its 2 graphs found, else 2 of 2."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.base, self.geometry = t._base.detach(), (t.size(), t.stride(), t.storage_offset())
+
+    def tensor(self) -> torch.Tensor:
+        return self.base.as_strided(*self.geometry)
+
+
+def as_sent(tree):
+    """``tree`` (a step's ``args`` or ``kwargs``) with each view that needs no gradient as a
+    ``_View``, for the compile process (``as_received`` there)."""
+    from torch.utils._pytree import tree_map
+
+    return tree_map(lambda t: _View(t) if isinstance(t, torch.Tensor) and t._is_view() and not t.requires_grad
+                    else t, tree)
+
+
+def as_received(tree):
+    """``tree`` sent by ``as_sent``, its views views again."""
+    from torch.utils._pytree import tree_map
+
+    return tree_map(lambda x: x.tensor() if isinstance(x, _View) else x, tree)
 
 
 def _autocast() -> dict:
