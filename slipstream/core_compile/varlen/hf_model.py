@@ -85,10 +85,20 @@ class _PatchState:
         _register(self.attn_name)
 
 
+_resolve_untraced = None
+"""``torch.compiler.disable(_resolve_packed)``, made by ``_register``."""
+
+
 def _register(attn_name: str) -> None:
-    """Register ``attn_name``'s attention function with transformers, once per process."""
+    """Register ``attn_name``'s attention function with transformers, and make
+    ``_resolve_untraced``, once per process. Made when a model is patched, not on import:
+    ``torch.compiler.disable`` imports dynamo, which adds a device backend to
+    torch.distributed's map, and ``import slipstream`` changes nothing of torch's."""
+    global _resolve_untraced
     from transformers import AttentionInterface
 
+    if _resolve_untraced is None:
+        _resolve_untraced = torch.compiler.disable(_resolve_packed)
     if attn_name not in AttentionInterface._global_mapping:
         compiled = attn_name == ATTENTION_NAME_COMPILED
         AttentionInterface.register(attn_name, torch.compiler.disable(_hf_attention) if compiled else _hf_attention)
@@ -208,15 +218,14 @@ def _wants_original(kwargs, logits_to_keep=0) -> bool:
     return bool(logits_to_keep) or any(kwargs.get(k) not in (None, False) for k in _GENERATION_ARGS)
 
 
-@torch.compiler.disable
 def _resolve_packed(kwargs, attention_mask, input_ids, inputs_embeds, position_ids, *more):
     """The packed metadata for this call, whether the inputs are in padded layout, and
     ``[input_ids, inputs_embeds, position_ids, *more]`` on the packed row.
 
-    Never traced by ``torch.compile``: it reads the boundaries to the host (``tolist``), so a
-    traced copy broke into 8 small graphs around it (llama-20m, ``dynamic=True``), each traced
-    and compiled, one of them not cacheable (a ``torch.tensor`` of the lengths). Run as it is,
-    it is one break, and its tensors are the next graph's inputs."""
+    Called as ``_resolve_untraced``, never traced by ``torch.compile``: it reads the boundaries
+    to the host (``tolist``), so a traced copy broke into 8 small graphs around it (llama-20m,
+    ``dynamic=True``), each traced and compiled, one of them not cacheable (a ``torch.tensor``
+    of the lengths). Run as it is, it is one break, and its tensors are the next graph's inputs."""
     packed = kwargs.pop("packed", None)
     cu = kwargs.pop("cu_seq_lens_q", None)
     for name in ("cu_seq_lens_k", "max_length_q", "max_length_k"):
@@ -253,7 +262,7 @@ def _varlen_forward(self, input_ids=None, attention_mask=None, position_ids=None
         kwargs.pop(k, None)
     shift_labels = kwargs.pop("shift_labels", None)
     num_items_in_batch = kwargs.pop("num_items_in_batch", None)
-    packed, padded, (input_ids, inputs_embeds, position_ids, labels, shift_labels) = _resolve_packed(
+    packed, padded, (input_ids, inputs_embeds, position_ids, labels, shift_labels) = _resolve_untraced(
         kwargs, attention_mask, input_ids, inputs_embeds, position_ids, labels, shift_labels)
     hidden = _packed_hidden(self.model, state, packed, input_ids, inputs_embeds, position_ids, kwargs)
     logits = self.lm_head(hidden)
@@ -305,7 +314,7 @@ def _varlen_backbone_forward(self, input_ids=None, attention_mask=None, position
                 inputs_embeds=inputs_embeds, **kwargs)  # fmt: skip
     for k in (*_GENERATION_ARGS, "cache_position", "return_dict"):
         kwargs.pop(k, None)
-    packed, padded, (input_ids, inputs_embeds, position_ids) = _resolve_packed(
+    packed, padded, (input_ids, inputs_embeds, position_ids) = _resolve_untraced(
         kwargs, attention_mask, input_ids, inputs_embeds, position_ids)
     hidden = _packed_hidden(self, state, packed, input_ids, inputs_embeds, position_ids, kwargs)
     return BaseModelOutputWithPast(last_hidden_state=packed.pad(hidden) if padded else hidden)
