@@ -231,9 +231,10 @@ class Prebuilds:
 
         Dynamic shapes too: the compile process's batch has other lengths than the step's
         that compiles here, yet llama-20m varlen's inductor-dynamic loads both its graphs from
-        the cache here (6.4 s against 53 s cold). It did not while a ``torch.tensor`` of the
-        lengths sat in a graph (AOTAutograd does not cache those) and the packed metadata
-        was traced in 8 small graphs: 2 of them missed, and its compile here took 61-75 s."""
+        the cache here (6.4 s against 53 s cold). Before, 2 of its 8 graphs missed (the step's
+        views reached the compile process as plain tensors, so its symbolic sizes were named
+        otherwise: ``as_sent``) and 3 bypassed AOTAutograd's cache (a ``torch.tensor`` in the
+        graph); its compile here took 61-75 s."""
         cold, source = priors.compile_s(s, modules, True)  # a compile process starts cold
         if s.name in self.started:
             return cold * WARM_SHARE, f"{source}; its compile here after the one beside training"
