@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import copy
 import json
+import random
 
 import pytest
 
-from slipstream.bench.soak import verdict
+from slipstream.bench.soak import compare, verdict
 from slipstream.cli import main
 
 
@@ -15,23 +16,26 @@ def test_short_soak_matches_gloo_and_keeps_resources_flat(tmp_path):
     out = tmp_path / "soak.json"
     rc = main(["bench", "soak", "--layouts", "1x4", "--collectives", "1200", "--groups", "8", "--max-bytes", "256K",
                "--seed", "3", "--json", str(out)])
-    (record,) = json.loads(out.read_text())
+    reference, record = json.loads(out.read_text())
+    assert reference["reference"] and not record["reference"] and reference["failed"] == []
     assert rc == 0 and record["failed"] == [], record["failed"]
     assert record["differ"] == 0 and record["cycles_wrong"] == 0 and record["world_size"] == 4
     kinds = {k for r in record["ranks"] for k in r["by_kind"]}
     assert kinds == {"all_reduce", "reduce_scatter", "all_gather"}
     # every rank took part in calls of every kind, on several groups (the draws are shared)
     assert all(sum(r["by_kind"].values()) > 300 for r in record["ranks"])
+    assert [r["by_kind"] for r in record["ranks"]] == [r["by_kind"] for r in reference["ranks"]]
 
 
-def _raw(moment="end", **changed) -> dict:
+def _raw(moment="end", calls=4, **changed) -> dict:
     snap = {"rss_mib": 300.0, "fds": 20, "threads": 6, "segments": 2}
-    rank = {"rank": 0, "differ_count": 0, "differ": [], "cycles_wrong": 0,
+    rank = {"rank": 0, "cycles_wrong": 0, "checksums": [11 * i for i in range(calls)],
             "snapshots": {m: dict(snap) for m in ("start", "after_1000", "middle", "end", "after_groups")}}
     rank["snapshots"][moment].update(changed)
     if moment == "end":  # the group cycles start from the end of the calls
         rank["snapshots"]["after_groups"].update(changed)
-    return {"ranks": [rank, copy.deepcopy(rank) | {"rank": 1}]}
+    return {"ranks": [rank, copy.deepcopy(rank) | {"rank": 1}], "world_size": 2, "collectives": calls,
+            "group_cycles": 0, "calls_s": 1.0}
 
 
 @pytest.mark.parametrize("end, failed", [
@@ -53,50 +57,67 @@ def test_the_verdict_fails_descriptors_or_threads_left_by_the_group_cycles():
     assert verdict(_raw("after_groups", rss_mib=330.0)) == []  # memory is judged over the calls
 
 
-def test_the_verdict_fails_a_result_differing_from_gloo():
-    raw = _raw()
-    raw["ranks"][1].update(differ_count=1, differ=["call 7: all_reduce sum torch.bfloat16 x 10 on world"])
-    assert any("1 results differ" in line for line in verdict(raw))
+def test_a_result_differing_from_gloo_is_named_by_its_call_and_rank_and_fails_the_verdict():
+    from slipstream.bench.workers.soak import describe, draw, members
+
+    reference, ours = _raw(calls=40), _raw(calls=40)
+    ours["ranks"][1]["checksums"][29] += 1
+    assert compare(reference, reference, seed=5, max_bytes=1 << 20) == []
+    rng = random.Random(5)
+    calls = [draw(rng, members(2), 1 << 20) for _ in range(40)]
+    (named,) = compare(reference, ours, seed=5, max_bytes=1 << 20)
+    assert named == f"call 29: {describe(calls[29])}, ranks [1]"
+    assert any("1 results differ from gloo's" in line for line in verdict(ours, [named]))
 
 
-def test_a_control_row_runs_gloo_on_both_sides_and_does_not_decide_the_exit(tmp_path, monkeypatch):
+def test_the_reference_runs_first_on_gloo_alone_and_does_not_decide_the_exit(tmp_path, monkeypatch):
     from slipstream.bench import soak
 
-    argvs = []
+    argvs, wrong = [], []
 
     def launch_worker(module, argv, spec, timeout):
         argvs.append(argv)
-        raw = _raw(rss_mib=450.0) if "--control" in argv else _raw()  # the control's memory grows 50%
-        return raw | {"world_size": 2, "collectives": 1000, "group_cycles": 0, "calls_s": 1.0}
+        if "--reference" in argv:
+            return _raw(rss_mib=450.0, calls=1000)  # the reference's memory grows 50%
+        raw = _raw(calls=1000)
+        for i in wrong:
+            raw["ranks"][0]["checksums"][i] = -1
+        return raw
 
     monkeypatch.setattr(soak, "launch_worker", launch_worker)
     out = tmp_path / "soak.json"
-    rc = main(["bench", "soak", "--layouts", "1x2", "--collectives", "1000", "--control", "--json", str(out)])
-    ours, control = json.loads(out.read_text())
-    assert ["--control" in argv for argv in argvs] == [False, True]
-    assert rc == 0 and not ours["control"] and ours["failed"] == [] and ours["rss_growth"] == [0.0, 0.0]
-    assert control["control"] and "memory grew 300 -> 450" in control["failed"][0]
-    assert control["rss_growth"] == [0.5, 0.5] and control["layout"].startswith("1x2 (control")
+    rc = main(["bench", "soak", "--layouts", "1x2", "--collectives", "1000", "--json", str(out)])
+    reference, ours = json.loads(out.read_text())
+    assert ["--reference" in argv for argv in argvs] == [True, False]
+    assert rc == 0 and not ours["reference"] and ours["failed"] == [] and ours["rss_growth"] == [0.0, 0.0]
+    assert reference["reference"] and "memory grew 300 -> 450" in reference["failed"][0]
+    assert reference["rss_growth"] == [0.5, 0.5] and reference["layout"].startswith("1x2 (reference")
+    assert "checksums" not in ours["ranks"][0]  # compared, not kept
+    wrong.extend([3, 700])
+    assert main(["bench", "soak", "--layouts", "1x2", "--collectives", "1000", "--json", str(out)]) == 1
+    ours = json.loads(out.read_text())[1]
+    assert ours["differ"] == 2 and [c.split(":")[0] for c in ours["differ_calls"]] == ["call 3", "call 700"]
 
 
 def test_the_runs_done_are_written_before_the_next_starts(tmp_path, monkeypatch, capsys):
-    """A soak stopped in its control run (its timeout, a signal) keeps the run before it."""
+    """A soak stopped in slipstream's job (its timeout, a signal) keeps the reference's run."""
     from slipstream.bench import soak
 
     out, md = tmp_path / "soak.json", tmp_path / "soak.md"
 
     def launch_worker(module, argv, spec, timeout):
-        if "--control" in argv:
-            assert [r["layout"] for r in json.loads(out.read_text())] == ["1x2"] and "partial: 1 of 2" in md.read_text()
+        if "--reference" not in argv:
+            assert [r["layout"] for r in json.loads(out.read_text())] == ["1x2 (reference: gloo alone)"]
+            assert "partial: 1 of 2" in md.read_text()
             raise KeyboardInterrupt  # stopped in its second run
-        return _raw() | {"world_size": 2, "collectives": 1000, "group_cycles": 0, "calls_s": 1.0}
+        return _raw(calls=1000)
 
     monkeypatch.setattr(soak, "launch_worker", launch_worker)
     with pytest.raises(KeyboardInterrupt):
-        main(["bench", "soak", "--layouts", "1x2", "--collectives", "1000", "--control", "--json", str(out),
+        main(["bench", "soak", "--layouts", "1x2", "--collectives", "1000", "--json", str(out),
               "--markdown", str(md)])
-    (ours,) = json.loads(out.read_text())
-    assert ours["failed"] == [] and not ours["control"] and "| 1x2 |" in md.read_text()
+    (reference,) = json.loads(out.read_text())
+    assert reference["failed"] == [] and reference["reference"] and "| 1x2 (reference" in md.read_text()
     assert "partial" not in capsys.readouterr().out  # the partial report goes to the files only
 
 
@@ -149,8 +170,7 @@ def test_the_report_names_the_allocator_settings_the_ranks_inherit(tmp_path, mon
         monkeypatch.delenv(k)
     for k, v in env.items():
         monkeypatch.setenv(k, v)
-    monkeypatch.setattr(soak, "launch_worker", lambda module, argv, spec, timeout:
-                        _raw() | {"world_size": 2, "collectives": 1000, "group_cycles": 0, "calls_s": 1.0})
+    monkeypatch.setattr(soak, "launch_worker", lambda module, argv, spec, timeout: _raw(calls=1000))
     assert main(["bench", "soak", "--layouts", "1x2", "--collectives", "1000", "--json", str(tmp_path / "s.json")]) == 0
     out = capsys.readouterr().out
     assert said in out and out.startswith("".join(f"{k}={v} " for k, v in env.items()) + "slipstream bench soak")

@@ -2,34 +2,38 @@
 against gloo, with the ranks' resources watched.
 
 One row per layout (``--layouts``, default ``1x4,2x2@1gbit``: one node of 4 ranks, then 2
-emulated nodes x 2 ranks over a 1 Gbit/s link, root needed). Each rank runs ``--collectives``
-calls of random kind, reduction, dtype, group (the world, its halves, its even and odd ranks)
-and size (0 B to ``--max-bytes``) on the slipstream backend and on gloo with the same inputs
-and compares the results exactly (``workers/soak.py``), then makes, uses and destroys
-``--groups`` subgroups. Reported per layout: results that differed from gloo's, group cycles
-that gave a wrong sum, and the largest rank's resident memory, descriptors and threads (and the
-shared-memory segments named by the job's ranks) at the start, after the 1,000th call, half-way, at
-the end of the calls and after the group cycles. It exits 1 when a result differed, memory
-grew 5% or more from the 1,000th call to the end, or descriptors, threads or segments changed
-from the 1,000th call to the end or over the group cycles. ``--control`` adds a row per layout
-with the same draws on gloo on both sides (no slipstream in the process), to tell what
-slipstream's calls add to the resources from what the process and gloo do anyway. ``--trim``
+emulated nodes x 2 ranks over a 1 Gbit/s link, root needed), and a reference row. Each rank
+runs ``--collectives`` calls of random kind, reduction, dtype, group (the world, its halves,
+its even and odd ranks) and size (0 B to ``--max-bytes``), then makes, uses and destroys
+``--groups`` subgroups (``workers/soak.py``): first in a job on gloo alone, the reference,
+then in a job on the slipstream backend with the same draws and inputs. The two jobs' results
+are compared call by call, rank by rank (a CRC-32 of each result's bytes). Gloo runs in a
+process of its own, so slipstream's rows count what its calls do to the process and nothing
+that gloo's do (``benchmarks/results/faults_*.md``). Reported per job: results that differed
+from gloo's, group cycles that gave a wrong sum, and the largest rank's resident memory,
+descriptors and threads (and the shared-memory segments named by the job's ranks) at the
+start, after the 1,000th call, half-way, at the end of the calls and after the group cycles.
+It exits 1 when a result differed, memory grew 5% or more from the 1,000th call to the end, or
+descriptors, threads or segments changed from the 1,000th call to the end or over the group
+cycles, in slipstream's job; the reference's verdict is shown, and does not count. ``--trim``
 reads the memory once the C allocator has returned its free memory (glibc's ``malloc_trim``):
 what the ranks use rather than what glibc keeps in its heaps after freeing large tensors. The
 report names the C allocator's settings the ranks inherit from the environment (``MALLOC_*``,
 ``GLIBC_TUNABLES``, ``LD_PRELOAD``): glibc's default mmap threshold adapts to the sizes freed,
-so a mix of sizes grows the heap, with or without slipstream (``benchmarks/results/faults_*.md``).
+so a mix of sizes grows the heap (``benchmarks/results/faults_*.md``).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import random
 import sys
 
 from slipstream.cluster.worker import flags, launch_worker
 from .ddp import parse_layout
 from .report import emit, page, parse_size, table
+from .workers.soak import describe, draw, members
 
 __all__ = ["add_arguments", "run", "verdict"]
 
@@ -45,8 +49,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--groups", type=int, default=500, help="subgroup create/destroy cycles (default 500)")
     parser.add_argument("--max-bytes", default="64M", help="largest call (default 64M)")
     parser.add_argument("--seed", type=int, default=0, help="the draws' seed (default 0)")
-    parser.add_argument("--control", action="store_true",
-                        help="also run each layout with gloo on both sides: resources without slipstream")
     parser.add_argument("--trim", action="store_true",
                         help="read memory once the C allocator has returned its free memory (glibc's malloc_trim)")
     parser.add_argument("--timeout", type=float, default=7200, help="seconds before every rank is killed")
@@ -58,15 +60,30 @@ def _peak(raw: dict, moment: str, field: str) -> float:
     return max(r["snapshots"][moment][field] for r in raw["ranks"])
 
 
-def verdict(raw: dict) -> list[str]:
-    """What failed in one layout's run: results that differed, a wrong group sum, memory growth
-    of ``RSS_GROWTH`` or more on any rank, or descriptors, threads or segments that changed,
-    from the 1,000th call to the end or over the group cycles."""
+def compare(reference: dict, ours: dict, seed: int, max_bytes: int) -> list[str]:
+    """The calls whose result on some rank differed from the reference's (its checksum), each
+    named by its place in the sequence, its draw and the ranks."""
+    theirs = {r["rank"]: r["checksums"] for r in reference["ranks"]}
+    ranks: dict[int, list[int]] = {}
+    for r in ours["ranks"]:
+        for i, (a, b) in enumerate(zip(r["checksums"], theirs[r["rank"]], strict=True)):
+            if a != b:
+                ranks.setdefault(i, []).append(r["rank"])
+    rng, groups, named = random.Random(seed), members(ours["world_size"]), []
+    for i in range(max(ranks, default=-1) + 1):  # the same draws as the ranks'
+        call = draw(rng, groups, max_bytes)
+        if i in ranks:
+            named.append(f"call {i}: {describe(call)}, ranks {ranks[i]}")
+    return named
+
+
+def verdict(raw: dict, differ: list[str] = ()) -> list[str]:
+    """What failed in one job: results that differed from the reference's (``differ``), a wrong
+    group sum, memory growth of ``RSS_GROWTH`` or more on any rank, or descriptors, threads or
+    segments that changed, from the 1,000th call to the end or over the group cycles."""
     failed = []
-    differ = sum(r["differ_count"] for r in raw["ranks"])
     if differ:
-        examples = [d for r in raw["ranks"] for d in r["differ"]][:3]
-        failed.append(f"{differ} results differ from gloo's, e.g. {examples}")
+        failed.append(f"{len(differ)} results differ from gloo's, e.g. {list(differ[:3])}")
     if any(r["cycles_wrong"] for r in raw["ranks"]):
         failed.append("a subgroup made and destroyed in the cycles gave a wrong sum")
     for r in raw["ranks"]:
@@ -81,13 +98,14 @@ def verdict(raw: dict) -> list[str]:
     return failed
 
 
-def _record(layout: str, raw: dict, control: bool = False) -> dict:
-    return {"layout": layout + " (control: gloo both sides)" * control, "control": control,
+def _record(layout: str, raw: dict, reference: bool = False, differ: list[str] = ()) -> dict:
+    ranks = [{k: v for k, v in r.items() if k != "checksums"} for r in raw["ranks"]]
+    return {"layout": layout + " (reference: gloo alone)" * reference, "reference": reference,
             **{k: raw[k] for k in ("world_size", "collectives", "group_cycles", "calls_s")},
-            "differ": sum(r["differ_count"] for r in raw["ranks"]),
+            "differ": None if reference else len(differ), "differ_calls": list(differ[:20]),
             "cycles_wrong": sum(r["cycles_wrong"] for r in raw["ranks"]),
             "peak": {m: {f: _peak(raw, m, f) for f in ("rss_mib", "fds", "threads", "segments")} for m in _MOMENTS},
-            "failed": verdict(raw), "ranks": raw["ranks"], "rss_growth": _growth(raw)}
+            "failed": verdict(raw, differ), "ranks": ranks, "rss_growth": _growth(raw)}
 
 
 def _growth(raw: dict) -> list[float]:
@@ -99,13 +117,13 @@ def _table(records: list[dict]) -> list[str]:
     rows = []
     for r in records:
         peak = r["peak"]
-        rows.append([r["layout"], r["collectives"], f"{r['calls_s']:.0f}", r["differ"],
+        rows.append([r["layout"], r["collectives"], f"{r['calls_s']:.0f}", "-" if r["reference"] else r["differ"],
                      f"{r['group_cycles']} ({r['cycles_wrong']} wrong)",
                      " / ".join(f"{peak[m]['rss_mib']:.0f}" for m in _MOMENTS),
                      " / ".join(f"{g:+.0%}" for g in r["rss_growth"]),
                      *(" / ".join(str(peak[m][f]) for m in _MOMENTS) for f in ("fds", "threads", "segments")),
-                     "control: " * r["control"] + ("FAIL: " + "; ".join(r["failed"]) if r["failed"] else "pass")])
-    return table(["layout", "collectives", "calls (s)", "results differing from gloo", "group cycles",
+                     "reference: " * r["reference"] + ("FAIL: " + "; ".join(r["failed"]) if r["failed"] else "pass")])
+    return table(["layout", "collectives", "calls (s)", "results differing from gloo's", "group cycles",
                   "RSS MiB (start / 1,000th / middle / end / after groups)", "RSS growth per rank, 1,000th to end",
                   "descriptors", "threads", "shm segments", "verdict"], "lrrrlllllll", rows)
 
@@ -127,28 +145,34 @@ def run(args: argparse.Namespace) -> int:
     argv = [*flags(args, "collectives", "groups", "seed", "trim"), "--max-bytes", str(max_bytes)]
     env = allocator_env()
     command = " ".join([*(f"{k}={v}" for k, v in env.items()), "slipstream bench soak",
-                        *flags(args, "layouts", "max_bytes", "control"), *argv[:-2]])
+                        *flags(args, "layouts", "max_bytes"), *argv[:-2]])
     sys.stdout.write(command + "\n")
-    notes = ["each call run on the slipstream backend and on gloo with the same integer-valued inputs, "
-             "results compared exactly", "resources: the largest rank's (segments: those named by the job's "
-             f"ranks); verdict: no result differing, RSS growth < {RSS_GROWTH:.0%} from the 1,000th call to the "
-             "end, descriptors, threads and segments unchanged over that span and over the group cycles"]
+    notes = ["each call run in a job on gloo alone (the reference row), then in a job on the slipstream backend, "
+             "with the same integer-valued inputs; results compared call by call and rank by rank (CRC-32 of "
+             "their bytes)", "resources: the largest rank's (segments: those named by the job's ranks); verdict: "
+             f"no result differing, RSS growth < {RSS_GROWTH:.0%} from the 1,000th call to the end, descriptors, "
+             "threads and segments unchanged over that span and over the group cycles; the reference's does "
+             "not count"]
     notes.append(f"C allocator settings from the environment: {' '.join(f'{k}={v}' for k, v in env.items())}" if env
                  else "C allocator: glibc's defaults (its mmap threshold rises, up to 32 MiB, to each mapped block "
                  "freed: later blocks up to that size come from the heap)")
     if args.trim:
         notes.append("memory read once the C allocator had returned its free memory (malloc_trim): what the ranks "
                      "use, not what glibc keeps in its heaps for later")
-    if args.control:
-        notes.append("a control row runs the same draws with gloo on both sides, and its group cycles on gloo: "
-                     "the process without slipstream; its verdict does not count")
-    runs = [(text, spec, control) for text, spec in layouts for control in (False, True)[:1 + args.control]]
-    records = []
-    for text, spec, control in runs:
-        raw = launch_worker("slipstream.bench.workers.soak", argv + ["--control"] * control, spec, timeout=args.timeout)
-        records.append(_record(text, raw, control))
-        if len(records) < len(runs):  # the runs done are kept, should a later one be stopped
-            partial = f"partial: {len(records)} of {len(runs)} runs done"
-            emit(page(command, [*notes, partial], _table(records)), records, args, show=False)
+    records, runs = [], 2 * len(layouts)
+    for text, spec in layouts:
+        reference = launch_worker("slipstream.bench.workers.soak", argv + ["--reference"], spec, timeout=args.timeout)
+        records.append(_record(text, reference, reference=True))
+        _partial(command, notes, records, runs, args)
+        ours = launch_worker("slipstream.bench.workers.soak", argv, spec, timeout=args.timeout)
+        records.append(_record(text, ours, differ=compare(reference, ours, args.seed, max_bytes)))
+        _partial(command, notes, records, runs, args)
     emit(page(command, notes, _table(records)), records, args)
-    return 0 if not any(r["failed"] for r in records if not r["control"]) else 1
+    return 0 if not any(r["failed"] for r in records if not r["reference"]) else 1
+
+
+def _partial(command: str, notes: list[str], records: list[dict], runs: int, args: argparse.Namespace) -> None:
+    """The runs done are kept, should a later one be stopped."""
+    if len(records) < runs:
+        emit(page(command, [*notes, f"partial: {len(records)} of {runs} runs done"], _table(records)), records, args,
+             show=False)
