@@ -41,6 +41,23 @@ def test_compiled_layers_match_the_padded_eager_model_across_lengths(name):
 
 
 @needs_compiler
+def test_each_layer_graph_is_traced_and_compiled_once_across_lengths(tmp_path, monkeypatch):
+    """Compiling cold, dynamo made a float symbolic under ``dynamic=True``, then specialized it
+    and traced and AOT-compiled a graph a second time: 6 compiles of llama-tiny's 5 graphs."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # cold: nothing cached
+    torch._dynamo.reset()  # no graph of an earlier test's layers kept in this process
+    counters = torch._dynamo.utils.counters
+    ref = build_model("llama-tiny", vocab_size=VOCAB, seed=2)
+    ours = copy.deepcopy(ref)
+    apply_varlen(ours, COMPILED)
+    counters.clear()
+    for seed, lengths in enumerate([[11, 5, 20], [6, 31]]):
+        assert_step_matches_padded(ref, ours, lengths, seed)
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs >= 1 and counters["aot_autograd"]["total"] == graphs, dict(counters["aot_autograd"])
+
+
+@needs_compiler
 def test_layers_whose_modules_carry_forward_hooks_run_eagerly():
     ref = build_model("llama-tiny", vocab_size=VOCAB, seed=1)
     ours = copy.deepcopy(ref)

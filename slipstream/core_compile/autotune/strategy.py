@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["STRATEGIES", "Counter", "Strategy", "candidates", "has_forward_hooks", "hook_free_regions",
+__all__ = ["STRATEGIES", "Counter", "Strategy", "candidates", "floats_constant", "has_forward_hooks", "hook_free_regions",
            "not_worth", "repeated_blocks", "whole_model"]
 
 
@@ -196,7 +196,7 @@ def build(strategy: Strategy, eager_forward, regions: list[torch.nn.Module]) -> 
 
     def compiled(forward):
         fn = torch.compile(forward, backend=counter, dynamic=strategy.dynamic)
-        return _floats_constant(fn) if strategy.dynamic else fn
+        return floats_constant(fn) if strategy.dynamic else fn
 
     if strategy.scope == "model":
         applied.forward = compiled(eager_forward)
@@ -207,7 +207,7 @@ def build(strategy: Strategy, eager_forward, regions: list[torch.nn.Module]) -> 
     return applied
 
 
-def _floats_constant(fn):
+def floats_constant(fn):
     """``fn``, traced with the Python floats it reads as constants (``specialize_float``).
 
     Under ``dynamic=True`` dynamo makes every float symbolic, then specializes those a kernel

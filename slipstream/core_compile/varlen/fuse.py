@@ -4,7 +4,9 @@ On the packed row everything in a decoder layer but attention is token-wise, and
 ``torch.compile`` fuses those element-wise ops. Each layer's ``forward`` becomes an instance
 wrapper that calls its own forward compiled with dynamic shapes (one graph for every packed
 length); the varlen attention stays eager: dynamo stops its graph there and resumes after it,
-so the per-sequence kernels and their host-side lengths never enter a graph.
+so the per-sequence kernels and their host-side lengths never enter a graph. The layer's floats
+are traced as constants (``floats_constant``): compiled cold, a float made symbolic cost a graph
+a second trace and AOT compile (llama-tiny: 6 compiles of 5 graphs).
 
 The wrapper runs the eager forward instead:
 - for calls that do not come from the varlen forward (generation runs the original forward);
@@ -23,7 +25,7 @@ import warnings
 
 import torch
 
-from ..autotune.strategy import has_forward_hooks
+from ..autotune.strategy import floats_constant, has_forward_hooks
 
 __all__ = ["fuse_layers", "unfuse_layers", "is_fused", "compiler_problem"]
 
@@ -36,7 +38,7 @@ class _FusedForward:
     def __init__(self, layer: torch.nn.Module) -> None:
         self.layer = layer
         self.eager = layer.forward  # the class's forward, bound
-        self.compiled = torch.compile(self.eager, dynamic=True)
+        self.compiled = floats_constant(torch.compile(self.eager, dynamic=True))  # one trace per graph
         self.calls = {"compiled": 0, "eager": 0}
         setattr(self, _MARKER, True)
 
