@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from array import array
 from collections import defaultdict
 
 import torch
@@ -72,34 +73,40 @@ class Timeline:
     (``time.perf_counter`` seconds). A synchronous call is blocked for all of its flight, an
     asynchronous one only inside ``Work.wait``; waits on the communicators' own threads are
     not a caller's. Intervals are merged, so nested records count once. Memory stays bounded
-    in a job that never takes: past ``FOLD_AT`` intervals they are folded into running totals
-    (an overlap that straddles a fold is counted on both sides of it)."""
+    in a job that never takes: the intervals are kept as pairs of doubles (16 bytes each, where
+    a tuple of two floats took about 110), and past ``FOLD_AT`` of them they are folded into
+    running totals (an overlap that straddles a fold is counted on both sides of it): at most
+    about 260 KiB. A soak of 20,000 calls that never took grew 4 MiB before."""
 
     __slots__ = ("_flights", "_blocked", "_folded", "_lock")
-    FOLD_AT = 1 << 16
+    FOLD_AT = 1 << 14
 
     def __init__(self) -> None:
-        self._flights: list = []
-        self._blocked: list = []
-        self._folded = _measure([], [])
+        self._flights = array("d")  # start, end, start, end, ...
+        self._blocked = array("d")
+        self._folded = _measure(array("d"), array("d"))
         self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        """The intervals held, not yet folded."""
+        return (len(self._flights) + len(self._blocked)) // 2
 
     def flight(self, start: float, end: float) -> None:
         with self._lock:
-            self._flights.append((start, end))
+            self._flights.extend((start, end))
             self._fold_if_full()
 
     def blocked(self, start: float, end: float) -> None:
         if not getattr(_THREAD, "comm", False):
             with self._lock:
-                self._blocked.append((start, end))
+                self._blocked.extend((start, end))
                 self._fold_if_full()
 
     def _fold_if_full(self) -> None:
-        if len(self._flights) + len(self._blocked) >= self.FOLD_AT:
+        if len(self) >= self.FOLD_AT:
             measured = _measure(self._flights, self._blocked)
             self._folded = {k: self._folded[k] + v for k, v in measured.items()}
-            self._flights, self._blocked = [], []
+            self._flights, self._blocked = array("d"), array("d")
 
     def take(self) -> dict:
         """Since the last take: ``comm_s`` (some collective in flight), ``exposed_s`` (a
@@ -107,20 +114,20 @@ class Timeline:
         ``calls``; then forgets them."""
         with self._lock:
             flights, blocked, folded = self._flights, self._blocked, self._folded
-            self._flights, self._blocked, self._folded = [], [], _measure([], [])
+            self._flights, self._blocked, self._folded = array("d"), array("d"), _measure(array("d"), array("d"))
         return {k: folded[k] + v for k, v in _measure(flights, blocked).items()}
 
 
-def _measure(flights: list, blocked: list) -> dict:
+def _measure(flights: array, blocked: array) -> dict:
     exposed = _covered(blocked)
     return {"comm_s": _covered(flights), "exposed_s": exposed, "hidden_s": _covered(flights + blocked) - exposed,
-            "calls": len(flights)}
+            "calls": len(flights) // 2}
 
 
-def _covered(intervals: list) -> float:
-    """Length of the union of ``(start, end)`` intervals."""
+def _covered(intervals: array) -> float:
+    """Length of the union of the intervals ``start, end, start, end, ...``."""
     total, reach = 0.0, float("-inf")
-    for start, end in sorted(intervals):
+    for start, end in sorted(zip(intervals[::2], intervals[1::2])):
         if end > reach:
             total += end - max(start, reach)
             reach = end
