@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["STRATEGIES", "Counter", "Strategy", "candidates", "floats_constant", "has_forward_hooks", "hook_free_regions",
-           "not_worth", "repeated_blocks", "whole_model"]
+__all__ = ["STRATEGIES", "Counter", "Strategy", "candidates", "floats_constant", "has_forward_hooks",
+           "hook_free_regions", "not_worth", "repeated_blocks", "whole_model"]
 
 
 @dataclass(frozen=True)
