@@ -26,7 +26,7 @@ def test_a_timeline_never_taken_stays_bounded_and_its_totals_survive_the_folds(m
     for i in range(100):  # 100 calls of 0.5 s, each waited for in its last 0.25 s
         t.flight(float(i), i + 0.5)
         t.blocked(i + 0.25, i + 0.5)
-        assert len(t) < 10
+        assert t.held() < 10
     got = t.take()
     assert (got["comm_s"], got["exposed_s"], got["calls"]) == (50.0, 25.0, 100)
     assert got["hidden_s"] == 25.0  # every fold falls between two calls here
@@ -46,10 +46,10 @@ def test_a_timeline_holds_its_intervals_in_16_bytes_each_and_folds_them_by_its_b
             t.flight(float(i), i + 0.5)
             t.blocked(i + 0.25, i + 0.5)
         held = tracemalloc.get_traced_memory()[0] - before
-        assert len(t) == Timeline.FOLD_AT - 2 and held < 24 * len(t), held  # 16 bytes, and the arrays' spare room
+        assert t.held() == Timeline.FOLD_AT - 2 and held < 24 * t.held(), held  # 16 bytes, and the arrays' spare room
         for i in range(10 * Timeline.FOLD_AT):
             t.flight(float(i), i + 0.5)
-        assert len(t) < Timeline.FOLD_AT and tracemalloc.get_traced_memory()[0] - before < 24 * Timeline.FOLD_AT
+        assert t.held() < Timeline.FOLD_AT and tracemalloc.get_traced_memory()[0] - before < 24 * Timeline.FOLD_AT
     finally:
         tracemalloc.stop()
     assert t.take()["calls"] == Timeline.FOLD_AT // 2 - 1 + 10 * Timeline.FOLD_AT

@@ -87,8 +87,9 @@ class Timeline:
         self._folded = _measure(array("d"), array("d"))
         self._lock = threading.Lock()
 
-    def __len__(self) -> int:
-        """The intervals held, not yet folded."""
+    def held(self) -> int:
+        """The intervals held, not yet folded (a method, not ``len``: an empty timeline stays
+        truthy)."""
         return (len(self._flights) + len(self._blocked)) // 2
 
     def flight(self, start: float, end: float) -> None:
@@ -103,7 +104,7 @@ class Timeline:
                 self._fold_if_full()
 
     def _fold_if_full(self) -> None:
-        if len(self) >= self.FOLD_AT:
+        if self.held() >= self.FOLD_AT:
             measured = _measure(self._flights, self._blocked)
             self._folded = {k: self._folded[k] + v for k, v in measured.items()}
             self._flights, self._blocked = array("d"), array("d")
