@@ -11,6 +11,8 @@ Cases, from the victim's side (every other rank keeps calling ``FAULT_OP`` on a 
     mid             exits 50 ms into its 4th collective (from a timer thread)
     overlapped      as mid, while every rank issues its collectives with ``async_op=True`` and
                     computes (a matmul) until it waits on each
+    queued          as mid, while every rank issues ``QUEUED`` collectives with ``async_op=True``
+                    back to back, then waits on each in turn (as a framework's gradient buckets)
     frozen          stops itself (SIGSTOP) before its 4th collective
     mismatch        calls its 4th collective with a different size
     other_call      calls a broadcast where the others call ``FAULT_OP``
@@ -27,6 +29,7 @@ whose collective raises prints ``ERROR <type>: <message>`` and exits 1. A rank t
 every collective exits 0.
 """
 
+import faulthandler
 import os
 import signal
 import sys
@@ -43,6 +46,8 @@ from _stack_steps import make_step
 
 N = 4 << 20  # 16 MiB of float32: above the hierarchical path's minimum
 CALLS = 200  # back to back: a fault from a timer lands inside one of them
+QUEUED = 8
+TEARDOWN_S = 15.0  # past the harness's bound on a survivor's exit (test_faults.py)
 
 
 def _fault_now() -> None:
@@ -106,7 +111,7 @@ def main(case: str) -> int:
     try:
         for i in range(CALLS):
             if victim and i == 3:
-                if case in ("mid", "overlapped"):
+                if case in ("mid", "overlapped", "queued"):
                     threading.Timer(0.05, _fault_now_and_exit).start()
                 elif case == "frozen":
                     _fault_now()
@@ -122,6 +127,9 @@ def main(case: str) -> int:
                 _fault_now()  # the disagreement starts when the last rank makes its call
             if case == "overlapped":
                 _call_while_computing(op, x, world)
+            elif case == "queued":
+                for work in [_call(op, x, world, async_op=True) for _ in range(QUEUED)]:
+                    work.wait()
             else:
                 _call(op, x, world)
     except Exception as e:  # noqa: BLE001 - reported to the harness
@@ -149,6 +157,8 @@ def _report(e: Exception) -> None:
     traceback.print_exc()
     print(f"RAISED {time.time():.3f}", flush=True)
     print(f"ERROR {type(e).__name__}: {e}", flush=True)
+    # A teardown that outlasts the harness's bound shows where each thread waits, in the log.
+    faulthandler.dump_traceback_later(TEARDOWN_S, exit=False)
     sys.exit(1)
 
 
