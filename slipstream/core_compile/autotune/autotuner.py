@@ -224,8 +224,9 @@ class Autotuner:
             if unlisted:
                 self.listed = True
                 self._list_breaks(args, kwargs)
-            if s.name in self.prebuilds.lost:  # timed beside training: it cannot win
-                self.by_name[s.name].status, self.by_name[s.name].reason = "skipped", self.prebuilds.lost[s.name]
+            why = self.prebuilds.lost.get(s.name) or self._cannot_pay(s)  # timed beside training
+            if why:
+                self.by_name[s.name].status, self.by_name[s.name].reason = "skipped", why
                 continue
             ok = self._try(s, args, kwargs)
             if agree(self.group, [0.0 if ok else 1.0])[0] == 0.0:
@@ -286,6 +287,28 @@ class Autotuner:
             return None
         return (f"expected compile {expected:.3g} s ({source}); {self.budget - min(spent, self.budget):.3g} s "
                 f"of the {self.budget:.3g} s budget left")
+
+    def _cannot_pay(self, s: strategy.Strategy) -> str | None:
+        """Why ``s``, compiled and timed beside training, cannot pay for itself in the steps the
+        run has left (``expected_steps``), or None. Its gain is at most those steps times
+        eager's step times the share of eager's forward and backward it saved there (the rest
+        of a step, the optimizer, is not faster); its compile here, the kernels loaded from the
+        cache, is taken as ``WARM_SHARE`` of its compile there. ResNet-50 on 1 torch thread:
+        ready at step 164 of 200, 1.45x eager's there, its compile here took 4.1-4.4 s and the
+        36 steps left could save about 4 s: the run was 1.053x eager's
+        (benchmarks/results/compile-beside_epyc-2core-kvm_2026-11-26.md). Every figure is the
+        ranks' (``Prebuilds._screen``, ``_over_budget``)."""
+        timed, steps, eager = self.prebuilds.timed.get(s.name), self.config.expected_steps, self.report.eager_step_s
+        if timed is None or steps is None or not eager:
+            return None
+        speedup, there = timed
+        left = max(steps - self.step + 1, 0)
+        gain, cost = left * eager * (1 - 1 / speedup), background.WARM_SHARE * there
+        if gain > cost:
+            return None
+        return (f"{speedup:.2f}x eager's forward and backward in its compile process, but at step {self.step} of "
+                f"{steps} it could save at most {gain:.3g} s, against its compile here of about {cost:.3g} s: "
+                "it cannot pay for itself in this run")
 
     def _try(self, s: strategy.Strategy, args, kwargs) -> bool:
         """Compile ``s`` and check it against eager on this batch."""

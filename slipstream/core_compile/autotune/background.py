@@ -222,6 +222,7 @@ class Prebuilds:
         self.failed: set = set()  # compiled beside training without success: compiled here
         self.listing: tuple | None = None  # (graphs, breaks) listed by a compile process
         self.lost: dict = {}  # name -> why: not margin times faster than eager in its compile process
+        self.timed: dict = {}  # name -> (eager's forward and backward over its, its compile s there)
 
     def cost(self, s, priors, modules: int, choice: bool | None) -> tuple[float, str]:
         """(seconds ``s`` is expected to cost training, where the figure comes from), given
@@ -292,13 +293,15 @@ class Prebuilds:
         ranks agree on the mean of the medians over the processes that timed (one per node)."""
         timed = result.get("timed") or {}
         has = min(len(timed.get("eager", ())), len(timed.get("compiled", ()))) >= 2
-        mine = [statistics.median(timed["eager"]), statistics.median(timed["compiled"])] if has else [0.0, 0.0]
-        share, eager, compiled = agree(self.group, [float(has), *mine], mean=True)
+        mine = ([statistics.median(timed["eager"]), statistics.median(timed["compiled"]), result.get("backend_s", 0.0)]
+                if has else [0.0, 0.0, 0.0])
+        share, eager, compiled, compile_s = agree(self.group, [float(has), *mine], mean=True)
         if not share:
             return
+        self.timed[name] = (eager / compiled, compile_s / share)
         cand.graphs = result.get("graphs", cand.graphs)
         cand.beside += (f"; timed there: a forward and backward {compiled / share * 1e3:.1f} ms against eager's "
-                        f"{eager / share * 1e3:.1f} ms (medians)")
+                        f"{eager / share * 1e3:.1f} ms (medians); its compile there {compile_s / share:.1f} s")
         if compiled * self.margin >= eager:
             self.lost[name] = (f"not {self.margin:g}x faster than eager's forward and backward in its compile "
                                f"process ({eager / compiled:.2f}x): not compiled in training")
