@@ -28,7 +28,7 @@ def test_short_soak_matches_gloo_and_keeps_resources_flat(tmp_path):
 
 
 def _raw(moment="end", calls=4, **changed) -> dict:
-    snap = {"rss_mib": 300.0, "fds": 20, "threads": 6, "segments": 2}
+    snap = {"rss_mib": 300.0, "buffers_mib": 0.0, "fds": 20, "threads": 6, "segments": 2}
     rank = {"rank": 0, "cycles_wrong": 0, "checksums": [11 * i for i in range(calls)],
             "snapshots": {m: dict(snap) for m in ("start", "after_1000", "middle", "end", "after_groups")}}
     rank["snapshots"][moment].update(changed)
@@ -49,6 +49,17 @@ def _raw(moment="end", calls=4, **changed) -> dict:
 def test_the_verdict_fails_growth_from_the_1000th_call_and_any_change_in_resources(end, failed):
     got = verdict(_raw(**end))
     assert (got == []) if failed is None else any(failed in line for line in got), got
+
+
+def test_the_verdict_judges_the_memory_less_the_soaks_own_buffers():
+    """300 -> 314 MiB is 4.7% of the whole, but 7% of the 200 MiB that is not the soak's
+    100 MiB of buffers: it fails."""
+    raw = _raw(rss_mib=314.0)
+    for r in raw["ranks"]:
+        for snap in r["snapshots"].values():
+            snap["buffers_mib"] = 100.0
+    assert any("memory grew 200 -> 214" in line for line in verdict(raw)), verdict(raw)
+    assert verdict(_raw(rss_mib=314.0)) == []
 
 
 def test_the_verdict_fails_descriptors_or_threads_left_by_the_group_cycles():

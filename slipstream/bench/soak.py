@@ -10,9 +10,11 @@ then in a job on the slipstream backend with the same draws and inputs. The two 
 are compared call by call, rank by rank (a CRC-32 of each result's bytes). Gloo runs in a
 process of its own, so slipstream's rows count what its calls do to the process and nothing
 that gloo's do (``benchmarks/results/faults_*.md``). Reported per job: results that differed
-from gloo's, group cycles that gave a wrong sum, and the largest rank's resident memory,
-descriptors and threads (and the shared-memory segments named by the job's ranks) at the
-start, after the 1,000th call, half-way, at the end of the calls and after the group cycles.
+from gloo's, group cycles that gave a wrong sum, and the largest rank's resident memory (less
+the soak's own input and result buffers, made and written before the first reading: the
+calls' tensors are views of them), descriptors and threads (and the shared-memory segments
+named by the job's ranks) at the start, after the 1,000th call, half-way, at the end of the
+calls and after the group cycles.
 It exits 1 when a result differed, memory grew 5% or more from the 1,000th call to the end, or
 descriptors, threads or segments changed from the 1,000th call to the end or over the group
 cycles, in slipstream's job; the reference's verdict is shown, and does not count. ``--trim``
@@ -56,8 +58,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--markdown", help="write the report (machine, command, table) here")
 
 
+def held(snapshot: dict) -> float:
+    """A reading's resident memory (MiB) less the soak's own buffers (``workers/soak.py``)."""
+    return snapshot["rss_mib"] - snapshot["buffers_mib"]
+
+
 def _peak(raw: dict, moment: str, field: str) -> float:
-    return max(r["snapshots"][moment][field] for r in raw["ranks"])
+    return max(held(r["snapshots"][moment]) if field == "held_mib" else r["snapshots"][moment][field]
+               for r in raw["ranks"])
 
 
 def compare(reference: dict, ours: dict, seed: int, max_bytes: int) -> list[str]:
@@ -88,8 +96,8 @@ def verdict(raw: dict, differ: list[str] = ()) -> list[str]:
         failed.append("a subgroup made and destroyed in the cycles gave a wrong sum")
     for r in raw["ranks"]:
         before, end, groups = (r["snapshots"][m] for m in ("after_1000", "end", "after_groups"))
-        if end["rss_mib"] >= (1 + RSS_GROWTH) * before["rss_mib"]:
-            failed.append(f"rank {r['rank']}: memory grew {before['rss_mib']:.0f} -> {end['rss_mib']:.0f} MiB")
+        if held(end) >= (1 + RSS_GROWTH) * held(before):
+            failed.append(f"rank {r['rank']}: memory grew {held(before):.0f} -> {held(end):.0f} MiB")
         for field in ("fds", "threads", "segments"):
             if end[field] != before[field]:
                 failed.append(f"rank {r['rank']}: {field} {before[field]} -> {end[field]}")
@@ -104,13 +112,14 @@ def _record(layout: str, raw: dict, reference: bool = False, differ: list[str] =
             **{k: raw[k] for k in ("world_size", "collectives", "group_cycles", "calls_s")},
             "differ": None if reference else len(differ), "differ_calls": list(differ[:20]),
             "cycles_wrong": sum(r["cycles_wrong"] for r in raw["ranks"]),
-            "peak": {m: {f: _peak(raw, m, f) for f in ("rss_mib", "fds", "threads", "segments")} for m in _MOMENTS},
+            "peak": {m: {f: _peak(raw, m, f) for f in ("held_mib", "rss_mib", "fds", "threads", "segments")}
+                     for m in _MOMENTS},
             "failed": verdict(raw, differ), "ranks": ranks, "rss_growth": _growth(raw)}
 
 
 def _growth(raw: dict) -> list[float]:
-    """Each rank's resident memory at the end of the calls over that at the 1,000th, minus 1."""
-    return [r["snapshots"]["end"]["rss_mib"] / r["snapshots"]["after_1000"]["rss_mib"] - 1 for r in raw["ranks"]]
+    """Each rank's memory (less the soak's buffers) at the end of the calls over that at the 1,000th, minus 1."""
+    return [held(r["snapshots"]["end"]) / held(r["snapshots"]["after_1000"]) - 1 for r in raw["ranks"]]
 
 
 def _table(records: list[dict]) -> list[str]:
@@ -119,12 +128,13 @@ def _table(records: list[dict]) -> list[str]:
         peak = r["peak"]
         rows.append([r["layout"], r["collectives"], f"{r['calls_s']:.0f}", "-" if r["reference"] else r["differ"],
                      f"{r['group_cycles']} ({r['cycles_wrong']} wrong)",
-                     " / ".join(f"{peak[m]['rss_mib']:.0f}" for m in _MOMENTS),
+                     " / ".join(f"{peak[m]['held_mib']:.0f}" for m in _MOMENTS),
                      " / ".join(f"{g:+.0%}" for g in r["rss_growth"]),
                      *(" / ".join(str(peak[m][f]) for m in _MOMENTS) for f in ("fds", "threads", "segments")),
                      "reference: " * r["reference"] + ("FAIL: " + "; ".join(r["failed"]) if r["failed"] else "pass")])
     return table(["layout", "collectives", "calls (s)", "results differing from gloo's", "group cycles",
-                  "RSS MiB (start / 1,000th / middle / end / after groups)", "RSS growth per rank, 1,000th to end",
+                  "RSS MiB less the soak's buffers (start / 1,000th / middle / end / after groups)",
+                  "RSS growth per rank, 1,000th to end",
                   "descriptors", "threads", "shm segments", "verdict"], "lrrrlllllll", rows)
 
 
@@ -149,8 +159,11 @@ def run(args: argparse.Namespace) -> int:
     sys.stdout.write(command + "\n")
     notes = ["each call run in a job on gloo alone (the reference row), then in a job on the slipstream backend, "
              "with the same integer-valued inputs; results compared call by call and rank by rank (CRC-32 of "
-             "their bytes)", "resources: the largest rank's (segments: those named by the job's ranks); verdict: "
-             f"no result differing, RSS growth < {RSS_GROWTH:.0%} from the 1,000th call to the end, descriptors, "
+             "their bytes)",
+             "each call's input and result are views of two buffers per rank (--max-bytes, and --max-bytes times "
+             "the world), made and written before the first reading; memory: the resident memory less those buffers",
+             "resources: the largest rank's (segments: those named by the job's ranks); verdict: no result "
+             f"differing, growth of that memory < {RSS_GROWTH:.0%} from the 1,000th call to the end, descriptors, "
              "threads and segments unchanged over that span and over the group cycles; the reference's does "
              "not count"]
     notes.append(f"C allocator settings from the environment: {' '.join(f'{k}={v}' for k, v in env.items())}" if env
