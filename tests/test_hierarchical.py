@@ -13,6 +13,7 @@ from slipstream.core_comm._compat import all_gather_into_tensor, reduce_scatter_
 from slipstream.core_comm.collectives.hierarchical import Hierarchical, _ramped, _rows, _select
 from slipstream.core_comm.transport.gloo import GlooInter
 from slipstream.core_comm.collectives.shm import ShmComm
+from slipstream.core_comm.scratch import KEPT, Scratch
 from slipstream.core_comm.topology import Topology
 
 R = dist.ReduceOp
@@ -219,3 +220,67 @@ def test_ramped_chunks_partition_the_buffer(n):
     assert all(s % unit == 0 for s in sizes[:-1])
     if n >= 4 * step:  # big buffers start and end small
         assert sizes[:2] == [step // 4, step // 2] and sizes[-2:] == [step // 2, step // 4 + n % unit]
+
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    return t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+
+
+def test_a_chunks_temporaries_are_kept_for_the_chunk_a_ring_later_and_never_overlap():
+    """Scratch: pieces of one chunk, and of the chunks in flight, are apart; the chunk that
+    takes a slot again gets the same memory (no new allocation); a piece over KEPT is new."""
+    ring = Scratch(3)
+    first = {}
+    for k in range(9):
+        ring.begin(k)
+        pieces = [ring.take(k, 1000 + 7 * (k % 3), torch.float32), ring.take(k, 333, torch.bfloat16),
+                  ring.take(k, 5, torch.int64)]
+        assert [p.numel() for p in pieces] == [1000 + 7 * (k % 3), 333, 5] and all(p.is_contiguous() for p in pieces)
+        assert all(p.data_ptr() % 64 == 0 for p in pieces)
+        first.setdefault(k % 3, []).append(pieces)
+    for calls in first.values():  # chunks k and k + 3 share a slot: once it has grown, the same memory
+        assert [p.data_ptr() for p in calls[1]] == [p.data_ptr() for p in calls[2]]
+    live = [p for calls in first.values() for p in calls[-1]]  # the last three chunks: in flight together
+    spans = sorted(_span(p) for p in live)
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+    held = ring.held()
+    big = ring.take(0, KEPT // 4 + 1, torch.float32)
+    assert ring.held() == held and big.numel() == KEPT // 4 + 1
+
+
+def test_a_slot_grows_to_the_chunk_and_keeps_what_it_gave():
+    ring = Scratch(1)
+    ring.begin(0)
+    small = ring.take(0, 16, torch.float32)
+    small.fill_(3)
+    large = ring.take(0, 1 << 20, torch.float32)  # past the arena: a bigger one, the first piece kept
+    large.fill_(1)
+    assert torch.equal(small, torch.full((16,), 3.0)) and ring.held() >= 4 << 20
+    held = ring.held()
+    ring.begin(0)  # the next chunk on this slot: the grown arena serves it whole
+    ring.take(0, 16, torch.float32), ring.take(0, 1 << 20, torch.float32)
+    assert ring.held() == held
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("op", [dist.ReduceOp.SUM, dist.ReduceOp.PRODUCT, dist.ReduceOp.AVG])
+def test_fp16_rows_reduced_in_fp32_scratch_equal_torchs_reduction_and_allocate_nothing(dtype, op):
+    """ops.reduce_rows given scratch: the bits of torch's fp32 reduction, with no row
+    allocated (torch's makes an fp32 copy of every row: this fails on it)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from slipstream.core_comm.ops import reduce_rows
+
+    rows = (torch.randn(4, 1 << 16, generator=torch.Generator().manual_seed(0)) * 2).to(dtype)
+    want, got = torch.empty(1 << 16, dtype=dtype), torch.empty(1 << 16, dtype=dtype)
+    reduce_rows(rows, want, op, 4)
+    ring = Scratch(1)
+    ring.begin(0)
+    reduce_rows(rows, got, op, 4, ring.taker(0))  # the arena grows here
+    ring.begin(0)
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        reduce_rows(rows, got, op, 4, ring.taker(0))
+    assert torch.equal(got, want)
+    made = [(e.name, e.cpu_memory_usage) for e in prof.events() if e.cpu_memory_usage >= 1024]  # AVG's scalar: 4 B
+    assert not made, made

@@ -77,15 +77,31 @@ def describe(kind: str, tensor: torch.Tensor | None, op=None) -> str:
     return f"{what}, " + (base.name if factor is None else f"PREMUL_SUM({float(factor):g})")
 
 
+def _accumulated(rows: torch.Tensor, op, scratch) -> torch.Tensor:
+    """The fp32 sum (or product) of fp16/bf16 ``rows: (world, m)``, in rank order, in ``scratch``."""
+    m = rows.shape[1]
+    acc, row = scratch(m, torch.float32), scratch(m, torch.float32)
+    acc.copy_(rows[0])
+    for r in rows[1:]:
+        row.copy_(r)
+        if op == ReduceOp.PRODUCT:
+            acc.mul_(row)
+        else:
+            acc.add_(row)
+    return acc
+
+
 def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether the bytes of contiguous ``a`` and ``b`` overlap."""
     a0, b0 = a.data_ptr(), b.data_ptr()
     return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
 
 
-def reduce_rows(rows: torch.Tensor, out: torch.Tensor, op, world: int) -> None:
+def reduce_rows(rows: torch.Tensor, out: torch.Tensor, op, world: int, scratch=None) -> None:
     """``out: (m,) = op over rows: (world, m)`` in one torch op; fp16/bf16 sums and products
-    accumulate in fp32; integer sums wrap around like gloo's. AVG divides by ``world``."""
+    accumulate in fp32 (given ``scratch(numel, dtype)``, in two fp32 rows of it, row after
+    row: torch's fp32 reduction of fp16 makes an fp32 copy of every row, 2 of 6 temporaries
+    left in a 2-node soak's rank); integer sums wrap around like gloo's. AVG divides by ``world``."""
     if op == ReduceOp.MAX:
         torch.amax(rows, 0, out=out)
     elif op == ReduceOp.MIN:
@@ -93,7 +109,7 @@ def reduce_rows(rows: torch.Tensor, out: torch.Tensor, op, world: int) -> None:
     else:
         fn = torch.prod if op == ReduceOp.PRODUCT else torch.sum
         if out.dtype in (torch.float16, torch.bfloat16):
-            acc = fn(rows, 0, dtype=torch.float32)
+            acc = fn(rows, 0, dtype=torch.float32) if scratch is None else _accumulated(rows, op, scratch)
             if op == ReduceOp.AVG:
                 acc.div_(world)
             out.copy_(acc)

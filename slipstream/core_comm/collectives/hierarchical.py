@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from .. import counters
 from ..ops import level_op as level_op_of
+from ..scratch import Scratch
 from ..topology import Topology
 from ..transport import InterTransport
 from ..transport.gloo import GlooInter
@@ -42,7 +43,7 @@ class Hierarchical:
     ``GlooInter``) or any ``InterTransport`` whose ranks are ordered by global rank.
     """
 
-    __slots__ = ("topo", "shm", "inter", "chunk_bytes", "depth", "_inter_pos", "_order", "_node_rows")
+    __slots__ = ("topo", "shm", "inter", "chunk_bytes", "depth", "scratch", "_inter_pos", "_order", "_node_rows")
 
     def __init__(self, topo: Topology, shm: ShmComm | None, inter: dist.ProcessGroup | InterTransport, *,
                  chunk_bytes: int = 4 << 20, depth: int = 2) -> None:
@@ -55,6 +56,7 @@ class Hierarchical:
         self.inter = GlooInter(inter) if isinstance(inter, dist.ProcessGroup) else inter
         self.chunk_bytes = chunk_bytes
         self.depth = depth
+        self.scratch = Scratch(depth + 1)  # the temporaries of the chunks in flight, kept across calls
         # The inter group orders peers by global rank, which need not be node order.
         peers = topo.peers(topo.local_rank)
         self._inter_pos = [sorted(peers).index(p) for p in peers]  # node -> inter-group rank
@@ -78,22 +80,23 @@ class Hierarchical:
         nbytes = chunk_bytes or self.chunk_bytes
         step = max(m_local, nbytes // flat.element_size() // m_local * m_local)
 
-        def start(bounds):
-            lo, hi = bounds
+        def start(numbered):
+            k, (lo, hi) = numbered
+            take = self._begin(k)
             chunk = flat[lo:hi]
-            padded = _pad_to(chunk, m_local)
+            padded = _pad_to(chunk, m_local, take)
             if self.shm is None:  # one rank per node: the chunk itself crosses, in place
                 shard = padded
             else:
-                shard = torch.empty(padded.numel() // m_local, dtype=flat.dtype)
+                shard = take(padded.numel() // m_local, flat.dtype)
                 self.shm.reduce_scatter(shard, padded, level_op)
             if hasattr(inter, "payload_bytes"):  # a lossy format: its payload to every other node
                 counters.add_link((nodes - 1) * inter.payload_bytes(shard.numel()))
             else:  # the least any allreduce sends across: 2(n-1)/n of the shard (one exchange for 2)
                 counters.add_link(2 * (nodes - 1) * shard.numel() * shard.element_size() // nodes)
-            return inter.all_reduce(shard, level_op, async_op=True), shard, chunk, padded
+            return inter.all_reduce(shard, level_op, async_op=True, scratch=take), shard, chunk, padded
 
-        _pipeline(map(start, _ramped(flat.numel(), step, m_local)), self._finish_all_reduce, self.depth)
+        _pipeline(map(start, enumerate(_ramped(flat.numel(), step, m_local))), self._finish_all_reduce, self.depth)
         if op == ReduceOp.AVG:
             flat.div_(self.topo.world_size)
 
@@ -118,17 +121,19 @@ class Hierarchical:
         blocks = inp.view(self.topo.world_size, n)
         owners = self._order.view(self.topo.local_size, nodes)[self.topo.local_rank].tolist()  # of my peers' blocks
 
-        def start(cols: slice):
+        def start(numbered):
+            k, cols = numbered
+            take = self._begin(k)
             # mine[q]: the sum over this node's ranks of the block of this rank's peer at
             # inter position q. One intra reduce-scatter per node, straight from the input's
             # blocks (a strided view): regrouping the whole input into one call cost a copy
             # of it, 37-43 ms a rank for 64 MiB on 2x2 emulated nodes.
+            mine = take(nodes * (cols.stop - cols.start), inp.dtype)
             if self.shm is None:
-                mine = blocks[:, cols].index_select(0, self._order).view(-1)
+                torch.index_select(blocks[:, cols], 0, self._order, out=mine.view(nodes, -1))
             else:
-                mine = torch.empty(nodes * (cols.stop - cols.start), dtype=inp.dtype)
                 for q, part in enumerate(mine.view(nodes, -1)):
-                    self.shm.reduce_scatter(part, _select(blocks, self._node_rows[q], cols), level_op)
+                    self.shm.reduce_scatter(part, _select(blocks, self._node_rows[q], cols, take), level_op)
             if nodes == 1:
                 out[cols].copy_(mine)
                 return None, mine
@@ -137,11 +142,9 @@ class Hierarchical:
             sent = [width] * nodes if lengths is None else lengths
             sent = sent[: self._inter_pos[self.topo.node]] + sent[self._inter_pos[self.topo.node] + 1:]
             counters.add_link(sum(_link_bytes(inter, k, inp.element_size()) for k in sent))
-            if lengths is None:
-                return inter.reduce_scatter(out[cols], mine, level_op, async_op=True), mine
-            return inter.reduce_scatter(out[cols], mine, level_op, async_op=True, lengths=lengths), mine
+            return inter.reduce_scatter(out[cols], mine, level_op, async_op=True, lengths=lengths, scratch=take), mine
 
-        _pipeline(map(start, self._columns(n, inp.element_size(), chunk_bytes)), _wait, self.depth)
+        _pipeline(map(start, enumerate(self._columns(n, inp.element_size(), chunk_bytes))), _wait, self.depth)
         if op == ReduceOp.AVG:
             out.div_(self.topo.world_size)
 
@@ -156,23 +159,31 @@ class Hierarchical:
         inter = inter or self.inter
         rows = out.view(self.topo.world_size, n)
 
-        def start(cols: slice):
+        def start(numbered):
+            k, cols = numbered
+            take = self._begin(k)
             if nodes == 1:
-                return None, inp[cols], cols
-            peers = torch.empty(nodes * (cols.stop - cols.start), dtype=inp.dtype)
+                return None, inp[cols], cols, take
+            peers = take(nodes * (cols.stop - cols.start), inp.dtype)
             counters.add_link((nodes - 1) * _link_bytes(inter, cols.stop - cols.start, inp.element_size()))
-            return inter.all_gather(peers, inp[cols], async_op=True), peers, cols
+            return inter.all_gather(peers, inp[cols], async_op=True), peers, cols, take
 
         def finish(started) -> None:
             _wait(started)
-            _, peers, cols = started
+            _, peers, cols, take = started
             every = peers
             if self.shm is not None:
-                every = torch.empty(self.topo.local_size * peers.numel(), dtype=inp.dtype)
+                every = take(self.topo.local_size * peers.numel(), inp.dtype)
                 self.shm.all_gather(every, peers)
             rows[:, cols].index_copy_(0, self._order, every.view(self.topo.world_size, -1))
 
-        _pipeline(map(start, self._columns(n, inp.element_size(), chunk_bytes)), finish, self.depth)
+        _pipeline(map(start, enumerate(self._columns(n, inp.element_size(), chunk_bytes))), finish, self.depth)
+
+    def _begin(self, k: int):
+        """Chunk ``k`` of a call starts: the function giving its temporaries (``scratch``). The
+        pipeline has finished chunk ``k - depth - 1`` by then, whose slot this is."""
+        self.scratch.begin(k)
+        return self.scratch.taker(k)
 
     def _columns(self, n: int, itemsize: int, chunk_bytes: int | None) -> list[slice]:
         """Column ranges of blocks of ``n`` elements: each chunk holds about ``chunk_bytes``
@@ -242,19 +253,24 @@ def _rows(ranks: tuple[int, ...]) -> slice | torch.Tensor:
     return torch.tensor(ranks)
 
 
-def _select(blocks: torch.Tensor, rows: slice | torch.Tensor, cols: slice) -> torch.Tensor:
-    """``blocks[rows, cols]``: a view for a slice of rows, a copy for an index."""
+def _select(blocks: torch.Tensor, rows: slice | torch.Tensor, cols: slice, take=None) -> torch.Tensor:
+    """``blocks[rows, cols]``: a view for a slice of rows, a copy for an index (in
+    ``take(numel, dtype)`` when given)."""
     if isinstance(rows, slice):
         return blocks[rows, cols]
-    return blocks[:, cols].index_select(0, rows)
+    if take is None:
+        return blocks[:, cols].index_select(0, rows)
+    into = take(rows.numel() * (cols.stop - cols.start), blocks.dtype).view(rows.numel(), -1)
+    return torch.index_select(blocks[:, cols], 0, rows, out=into)
 
 
-def _pad_to(chunk: torch.Tensor, multiple: int) -> torch.Tensor:
-    """``chunk`` itself if its length is a multiple, else a copy padded with zeros. The
-    padding is reduced with padding only, and dropped."""
+def _pad_to(chunk: torch.Tensor, multiple: int, take) -> torch.Tensor:
+    """``chunk`` itself if its length is a multiple, else a copy padded with zeros (in
+    ``take(numel, dtype)``). The padding is reduced with padding only, and dropped."""
     extra = -chunk.numel() % multiple
     if not extra:
         return chunk
-    padded = torch.zeros(chunk.numel() + extra, dtype=chunk.dtype)
+    padded = take(chunk.numel() + extra, chunk.dtype)
     padded[: chunk.numel()].copy_(chunk)
+    padded[chunk.numel():].zero_()
     return padded

@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from ..ops import DTYPES, OPS, cannot_reduce, code, reduce_rows
+from ..scratch import Scratch
 from .segment import (_ABORTED, _ADDR, _DTYPE, _KIND, _LINE, _LINE_WORDS, _NUMEL, _OP, _PID, _SEQ, _STEP,
                       KINDS_HERE, ShmError, _describe, _map_segment, _process_gone, futex_wait, futex_wake)
 
@@ -64,6 +65,8 @@ class ShmComm:
         "_mm", "_ctrl", "_steps", "_step_addrs", "_inputs", "_results", "_views",
         # progress
         "_step", "_seq", "_next_slot", "_slot_free_at", "_unchecked", "_broken",
+        # fp32 rows for reducing fp16/bf16 (ops.reduce_rows), kept from call to call
+        "_scratch",
     )
 
     def __init__(self, group: dist.ProcessGroup | None = None, *, slot_bytes: int = 1 << 20,
@@ -93,6 +96,7 @@ class ShmComm:
         self._slot_free_at = [0, 0]
         self._unchecked = False
         self._broken: str | None = None
+        self._scratch = Scratch(1)
         self._ctrl[self.rank, _PID] = os.getpid()
         try:
             dist.barrier(group=group)  # every pid is written before anyone waits on peers
@@ -138,7 +142,7 @@ class ShmComm:
             ins, _ = self._acquire_slot(input.dtype)
             ins[self.rank, : w * c].view(w, c).copy_(inp[:, lo:lo + c])
             self._sync()
-            reduce_rows(ins[:, self.rank * c:(self.rank + 1) * c], flat_out[lo:lo + c], op, w)
+            reduce_rows(ins[:, self.rank * c:(self.rank + 1) * c], flat_out[lo:lo + c], op, w, self._rows())
             self._release_slot()
         if out is not output:
             output.copy_(out)
@@ -208,7 +212,7 @@ class ShmComm:
         ins, _ = self._acquire_slot(flat.dtype)
         ins[self.rank, :n].copy_(flat)
         self._sync()
-        reduce_rows(ins[:, :n], flat, op, self.world)
+        reduce_rows(ins[:, :n], flat, op, self.world, self._rows())
         self._release_slot()
 
     def _all_reduce_large(self, flat: torch.Tensor, op) -> None:
@@ -222,10 +226,15 @@ class ShmComm:
             ins[self.rank, :m].copy_(flat[lo:lo + m])
             self._sync()
             if b > a:
-                reduce_rows(ins[:, a:b], res[a:b], op, self.world)
+                reduce_rows(ins[:, a:b], res[a:b], op, self.world, self._rows())
             self._sync()
             flat[lo:lo + m].copy_(res[:m])
             self._release_slot()
+
+    def _rows(self):
+        """Where ``reduce_rows`` takes its fp32 rows for one reduction."""
+        self._scratch.begin(0)
+        return self._scratch.taker(0)
 
     def _capacity(self, dtype: torch.dtype) -> int:
         return self.slot_bytes // dtype.itemsize

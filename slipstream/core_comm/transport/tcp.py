@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from ..ops import COMBINE, DTYPES, overlaps
+from ..scratch import fresh
 from ..work import Work
 from ._lanes import TransportError, _connect, _Lanes, _Step
 from ._lanes import _listen  # noqa: F401 - reached as transport._listen (tests)
@@ -125,14 +126,14 @@ class MultiConnInter:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def all_reduce(self, shard: torch.Tensor, op=ReduceOp.SUM, async_op: bool = False):
+    def all_reduce(self, shard: torch.Tensor, op=ReduceOp.SUM, async_op: bool = False, scratch=None):
         """In place on ``shard`` (any shape, contiguous), like ``dist.all_reduce``."""
         reduce = self._check("all_reduce", op, shard)
         n, r, size = shard.numel(), self.rank, self.size
         if size == 1:
             return _finished(async_op)
         k = self._lanes_for(n * shard.element_size() // (1 if size == 2 else size))
-        flat, tmp = shard.view(-1), torch.empty(n, dtype=shard.dtype)
+        flat, tmp = shard.view(-1), (scratch or fresh)(n, shard.dtype)
         if size == 2:
             programs = [[(flat[a:b], tmp[a:b], partial(reduce, flat[a:b], tmp[a:b], out=flat[a:b]))]
                         for a, b in _split(0, n, k)]
@@ -144,7 +145,7 @@ class MultiConnInter:
         return self._submit("all_reduce", shard, programs, async_op)
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op=ReduceOp.SUM, async_op: bool = False,
-                       lengths=None):
+                       lengths=None, scratch=None):
         """``out: (m,)`` gets block ``rank`` of the reduction of every peer's ``inp: (size*m,)``.
         ``lengths`` (the real part of each block) is not used: whole blocks cross the ring."""
         reduce = self._check("reduce_scatter", op, inp, out, inp.numel() == out.numel() * self.size)
@@ -155,7 +156,7 @@ class MultiConnInter:
             out.copy_(inp.view_as(out))
             return _finished(async_op)
         blocks = [inp.view(-1)[b * m:(b + 1) * m] for b in range(self.size)]
-        tmp = torch.empty(self.size * m, dtype=inp.dtype)
+        tmp = (scratch or fresh)(self.size * m, inp.dtype)
         tmps = [tmp[b * m:(b + 1) * m] for b in range(self.size)]
         tmps[self.rank] = out.view(-1)  # the last step reduces straight into ``out``
         k = self._lanes_for(m * out.element_size())

@@ -47,7 +47,8 @@ class WireInter:
         """Bytes on the link for ``n`` elements."""
         return self.codec.payload_bytes(n)
 
-    def all_reduce(self, shard: torch.Tensor, op=ReduceOp.SUM, async_op: bool = False):
+    def all_reduce(self, shard: torch.Tensor, op=ReduceOp.SUM, async_op: bool = False, scratch=None):
+        """``scratch`` is not used: the codec makes the encoded copies and the sums per call."""
         _sum_only("all_reduce", op)
         n, size = shard.numel(), self.gloo.size
         payload = self.feedback.encode(self.codec, ("all_reduce",), shard.view(-1))
@@ -63,9 +64,10 @@ class WireInter:
         return _finish([work], reduce, async_op)
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor, op=ReduceOp.SUM, async_op: bool = False,
-                       lengths: list[int] | None = None):
+                       lengths: list[int] | None = None, scratch=None):
         """``out: (m,)`` gets block ``rank`` of the sum of every peer's ``inp: (size*m,)``;
-        ``lengths[q]``: the real part of block q (the rest is zero, not sent)."""
+        ``lengths[q]``: the real part of block q (the rest is zero, not sent). ``scratch``:
+        not used, as for ``all_reduce``."""
         _sum_only("reduce_scatter", op)
         m, size, me = out.numel(), self.gloo.size, self.gloo.rank
         blocks = inp.view(size, m)
