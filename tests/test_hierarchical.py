@@ -284,3 +284,20 @@ def test_fp16_rows_reduced_in_fp32_scratch_equal_torchs_reduction_and_allocate_n
     assert torch.equal(got, want)
     made = [(e.name, e.cpu_memory_usage) for e in prof.events() if e.cpu_memory_usage >= 1024]  # AVG's scalar: 4 B
     assert not made, made
+
+
+def test_after_a_failed_chunk_later_calls_take_new_arenas():
+    """A failed chunk leaves the exchanges of the chunks after it in flight, still writing into
+    their slots: the path's next call must not be given that memory."""
+    path = Hierarchical.__new__(Hierarchical)
+    path.depth, path.scratch = 2, Scratch(3)
+    path._pipelined(iter(range(5)), lambda k: None)
+    before = path.scratch
+
+    def finish(k):
+        if k == 1:
+            raise RuntimeError("exchange with global rank(s) 2 on the other node(s) failed")
+
+    with pytest.raises(RuntimeError, match="exchange"):
+        path._pipelined(iter(range(5)), finish)
+    assert path.scratch is not before

@@ -96,7 +96,7 @@ class Hierarchical:
                 counters.add_link(2 * (nodes - 1) * shard.numel() * shard.element_size() // nodes)
             return inter.all_reduce(shard, level_op, async_op=True, scratch=take), shard, chunk, padded
 
-        _pipeline(map(start, enumerate(_ramped(flat.numel(), step, m_local))), self._finish_all_reduce, self.depth)
+        self._pipelined(map(start, enumerate(_ramped(flat.numel(), step, m_local))), self._finish_all_reduce)
         if op == ReduceOp.AVG:
             flat.div_(self.topo.world_size)
 
@@ -144,7 +144,7 @@ class Hierarchical:
             counters.add_link(sum(_link_bytes(inter, k, inp.element_size()) for k in sent))
             return inter.reduce_scatter(out[cols], mine, level_op, async_op=True, lengths=lengths, scratch=take), mine
 
-        _pipeline(map(start, enumerate(self._columns(n, inp.element_size(), chunk_bytes))), _wait, self.depth)
+        self._pipelined(map(start, enumerate(self._columns(n, inp.element_size(), chunk_bytes))), _wait)
         if op == ReduceOp.AVG:
             out.div_(self.topo.world_size)
 
@@ -177,7 +177,16 @@ class Hierarchical:
                 self.shm.all_gather(every, peers)
             rows[:, cols].index_copy_(0, self._order, every.view(self.topo.world_size, -1))
 
-        _pipeline(map(start, enumerate(self._columns(n, inp.element_size(), chunk_bytes))), finish, self.depth)
+        self._pipelined(map(start, enumerate(self._columns(n, inp.element_size(), chunk_bytes))), finish)
+
+    def _pipelined(self, started: Iterable, finish: Callable) -> None:
+        """``_pipeline`` at this path's depth. Should a chunk fail, the exchanges of the chunks
+        after it may still be in flight, writing into their slots: later calls get new arenas."""
+        try:
+            _pipeline(started, finish, self.depth)
+        except BaseException:
+            self.scratch = Scratch(self.depth + 1)
+            raise
 
     def _begin(self, k: int):
         """Chunk ``k`` of a call starts: the function giving its temporaries (``scratch``). The
