@@ -593,18 +593,13 @@ def test_a_candidate_ready_too_late_to_pay_for_its_compile_is_not_compiled_in_tr
     """ResNet-50's figures on 1 torch thread: 1.5x eager's forward and backward in its compile
     process, compiled there in 20 s (so about 5 s here), eager's step 0.3 s. Ready at step 164
     of 200, the 37 steps left save at most 3.7 s: not compiled. At step 10, 191 steps: 19 s."""
-    from slipstream.core_compile.autotune import background
-    from slipstream.core_compile.autotune.autotuner import Autotuner
+    from slipstream.core_compile.autotune import background, budget
 
-    tuner = Autotuner(Net(), _cfg(tmp_path, background=True, expected_steps=200), None)
-    inductor = next(s for s in strategy.STRATEGIES if s.name == "inductor")
-    tuner.prebuilds.timed["inductor"], tuner.report.eager_step_s, tuner.step = (1.5, 20.0), 0.3, step
-    why = tuner._cannot_pay(inductor)
+    why = budget.cannot_pay((1.5, 20.0), 200, step, 0.3)
     assert (why is None) == pays, why
     if not pays:
         assert f"at most 3.7 s, against its compile here of about {background.WARM_SHARE * 20:.3g} s" in why, why
-    tuner.config = _cfg(tmp_path, background=True)  # the run's length not told: no such rule
-    assert tuner._cannot_pay(inductor) is None
+    assert budget.cannot_pay((1.5, 20.0), None, step, 0.3) is None  # the run's length not told: no such rule
 
 
 class Unpicklable(Net):

@@ -12,10 +12,11 @@ its length is known):
    skipped and the default shape policy is measured as its dynamic variant) each candidate
    (``strategy.candidates``) whose expected compile time fits in what is left of the budget is
    compiled (the graph breaks are listed before the first; regions are skipped once the whole
-   model compiled as one graph) and checked against eager on the
-   step's batch (``check.compare``: loss and gradients), then runs ``warmup_steps`` steps. On
-   the CPU (``CompileConfig.background``) a process of its own compiles it first while the
-   steps run eagerly, so that its compile here loads inductor's kernels from the cache;
+   model compiled as one graph), checked against eager on the step's batch (``check.compare``:
+   loss and gradients), then runs ``warmup_steps`` steps. On the CPU (``background``) a process
+   of its own compiles and times it first while the steps run eagerly: one that lost there, or
+   cannot pay for itself in the steps left (``budget.cannot_pay``), is not compiled here; the
+   others' compile here loads inductor's kernels from the cache;
 3. the survivors, eager included, take turns for up to ``measure_rounds`` rounds of timed
    steps (interleaved, so a slow spell hits all; a switch's first step is untimed); each step's time is
    divided by its batch's elements (lengths vary). From round two, a candidate the steps so far
@@ -41,8 +42,7 @@ from pathlib import Path
 
 import torch
 
-from . import cache as compile_cache
-from . import background, budget, check, diagnose, strategy
+from . import background, budget, cache as compile_cache, check, diagnose, strategy
 from .agree import agree, rank
 from .config import Candidate, CompileConfig, CompileFallbackWarning, CompileReport
 
@@ -54,11 +54,6 @@ MARKER = "_slipstream_autotuner"
 _RECOMPILE_LIMIT = 64
 # a candidate whose fastest timed step is this many times eager's is not timed further
 PRUNE_FACTOR = 2.0
-
-
-def _signature(args, kwargs) -> tuple:
-    flat = list(args) + [kwargs[k] for k in sorted(kwargs)]
-    return tuple(tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__ for t in flat)
 
 
 class Autotuner:
@@ -122,7 +117,7 @@ class Autotuner:
 
     # ------------------------------------------------------------------ set-up
     def _start(self, args, kwargs) -> None:
-        self.first_signature = _signature(args, kwargs)
+        self.first_signature = compile_cache.signature([args, kwargs])
         first = check._first_tensor(list(args) + list(kwargs.values()))
         params = (p.device for p in self.module.parameters())
         device = self.prebuilds.device = first.device if first is not None else next(params, torch.device("cpu"))
@@ -197,7 +192,7 @@ class Autotuner:
 
     # ------------------------------------------------------------------ search
     def _search_step(self, now, args, kwargs):
-        self.shapes_vary |= _signature(args, kwargs) != self.first_signature
+        self.shapes_vary |= compile_cache.signature([args, kwargs]) != self.first_signature
         if self.warm_left > 0:
             self.warm_left -= 1
             return self._call(self.active, args, kwargs)
@@ -224,7 +219,8 @@ class Autotuner:
             if unlisted:
                 self.listed = True
                 self._list_breaks(args, kwargs)
-            why = self.prebuilds.lost.get(s.name) or self._cannot_pay(s)  # timed beside training
+            why = self.prebuilds.lost.get(s.name) or budget.cannot_pay(  # timed beside training
+                self.prebuilds.timed.get(s.name), self.config.expected_steps, self.step, self.report.eager_step_s)
             if why:
                 self.by_name[s.name].status, self.by_name[s.name].reason = "skipped", why
                 continue
@@ -287,28 +283,6 @@ class Autotuner:
             return None
         return (f"expected compile {expected:.3g} s ({source}); {self.budget - min(spent, self.budget):.3g} s "
                 f"of the {self.budget:.3g} s budget left")
-
-    def _cannot_pay(self, s: strategy.Strategy) -> str | None:
-        """Why ``s``, compiled and timed beside training, cannot pay for itself in the steps the
-        run has left (``expected_steps``), or None. Its gain is at most those steps times
-        eager's step times the share of eager's forward and backward it saved there (the rest
-        of a step, the optimizer, is not faster); its compile here, the kernels loaded from the
-        cache, is taken as ``WARM_SHARE`` of its compile there. ResNet-50 on 1 torch thread:
-        ready at step 164 of 200, 1.45x eager's there, its compile here took 4.1-4.4 s and the
-        36 steps left could save about 4 s: the run was 1.053x eager's
-        (benchmarks/results/compile-beside_epyc-2core-kvm_2026-11-26.md). Every figure is the
-        ranks' (``Prebuilds._screen``, ``_over_budget``)."""
-        timed, steps, eager = self.prebuilds.timed.get(s.name), self.config.expected_steps, self.report.eager_step_s
-        if timed is None or steps is None or not eager:
-            return None
-        speedup, there = timed
-        left = max(steps - self.step + 1, 0)
-        gain, cost = left * eager * (1 - 1 / speedup), background.WARM_SHARE * there
-        if gain > cost:
-            return None
-        return (f"{speedup:.2f}x eager's forward and backward in its compile process, but at step {self.step} of "
-                f"{steps} it could save at most {gain:.3g} s, against its compile here of about {cost:.3g} s: "
-                "it cannot pay for itself in this run")
 
     def _try(self, s: strategy.Strategy, args, kwargs) -> bool:
         """Compile ``s`` and check it against eager on this batch."""

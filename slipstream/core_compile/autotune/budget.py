@@ -29,9 +29,11 @@ from pathlib import Path
 import torch
 
 from . import cache as compile_cache
+from .background import WARM_SHARE
 from .strategy import Strategy
 
-__all__ = ["DEFAULT_S_PER_MODULE", "Priors", "compiled_modules", "load_priors", "search_budget", "store_priors"]
+__all__ = ["DEFAULT_S_PER_MODULE", "Priors", "cannot_pay", "compiled_modules", "load_priors", "search_budget",
+           "store_priors"]
 
 DEFAULT_S_PER_MODULE = {"model": 0.5, "regions": 1.6}
 """Seconds of compile and check per compiled module (``compiled_modules``) before anything was
@@ -58,6 +60,29 @@ def search_budget(config, eager_step_s: float | None) -> tuple[float, str]:
     if share <= config.budget_s:
         return share, basis
     return config.budget_s, f"budget_s={config.budget_s:g}, under {basis}"
+
+
+def cannot_pay(timed: tuple | None, expected_steps: int | None, step: int, eager_step_s: float | None) -> str | None:
+    """Why a candidate compiled and timed beside training (``timed``: eager's forward and
+    backward over its there, its compile there in seconds; ``Prebuilds.timed``) cannot pay for
+    itself in the steps a run of ``expected_steps`` has left from ``step``, or None. Its gain
+    is at most those steps times eager's step times the share of eager's forward and backward
+    it saved there (the rest of a step, the optimizer, is not faster); its compile in training,
+    the kernels loaded from the cache, is taken as ``WARM_SHARE`` of its compile there.
+    ResNet-50 on 1 torch thread: ready at step 164 of 200, 1.45x eager's there, its compile in
+    training took 4.1-4.4 s and the 36 steps left could save about 4 s: the run was 1.053x
+    eager's (benchmarks/results/compile-beside_epyc-2core-kvm_2026-11-26.md). The ranks agree
+    on every figure (``Prebuilds._screen``, the autotuner's budget)."""
+    if timed is None or expected_steps is None or not eager_step_s:
+        return None
+    speedup, there = timed
+    left = max(expected_steps - step + 1, 0)
+    gain, cost = left * eager_step_s * (1 - 1 / speedup), WARM_SHARE * there
+    if gain > cost:
+        return None
+    return (f"{speedup:.2f}x eager's forward and backward in its compile process, but at step {step} of "
+            f"{expected_steps} it could save at most {gain:.3g} s, against its compile here of about {cost:.3g} s: "
+            "it cannot pay for itself in this run")
 
 
 def _leaves(module: torch.nn.Module) -> int:

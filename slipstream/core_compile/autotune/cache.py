@@ -19,7 +19,7 @@ import torch
 
 from ..._common.cache import cache_dir, read_json, versions, write_json
 
-__all__ = ["cache_key", "default_dir", "load", "store"]
+__all__ = ["cache_key", "default_dir", "load", "signature", "store"]
 
 
 def default_dir(environ: Mapping[str, str] = os.environ) -> Path:
@@ -38,13 +38,15 @@ def _processor() -> str:
     return platform.processor() or platform.machine()
 
 
-def _signature(value) -> object:
+def signature(value) -> object:
+    """The shapes and dtypes of the tensors in ``value`` (nested tuples, lists and mappings; any
+    other leaf by its type's name), JSON-able."""
     if isinstance(value, torch.Tensor):
         return [list(value.shape), str(value.dtype)]
     if isinstance(value, Mapping):
-        return {str(k): _signature(v) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
+        return {str(k): signature(v) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
     if isinstance(value, (tuple, list)):
-        return [_signature(v) for v in value]
+        return [signature(v) for v in value]
     return type(value).__name__
 
 
@@ -56,7 +58,7 @@ def cache_key(model: torch.nn.Module, args, kwargs, device: torch.device, extra:
     return {
         "model": hashlib.sha256("\n".join(structure + params).encode()).hexdigest()[:16],
         "model_class": type(model).__name__,
-        "inputs": _signature([args, kwargs]),
+        "inputs": signature([args, kwargs]),
         "device": f"{device.type}: {device_name}",
         **versions(),
         **dict(extra),
