@@ -13,7 +13,7 @@ from slipstream.core_comm._compat import all_gather_into_tensor, reduce_scatter_
 from slipstream.core_comm.collectives.hierarchical import Hierarchical, _ramped, _rows, _select
 from slipstream.core_comm.transport.gloo import GlooInter
 from slipstream.core_comm.collectives.shm import ShmComm
-from slipstream.core_comm.scratch import KEPT, Scratch
+from slipstream.core_comm.scratch import KEPT, Scratch, fresh
 from slipstream.core_comm.topology import Topology
 
 R = dist.ReduceOp
@@ -202,11 +202,11 @@ def test_node_rows_are_views_when_evenly_spaced_and_an_index_otherwise():
     for ranks in [(0, 1, 2), (1, 3, 5), (4,)]:
         rows = _rows(ranks)
         assert isinstance(rows, slice)
-        view = _select(blocks, rows, slice(1, 3))
+        view = _select(blocks, rows, slice(1, 3), fresh)
         assert view.data_ptr() == blocks[ranks[0], 1].data_ptr()
         assert torch.equal(view, blocks[list(ranks)][:, 1:3])
     rows = _rows((0, 1, 3))
-    assert torch.equal(_select(blocks, rows, slice(1, 3)), blocks[[0, 1, 3]][:, 1:3])
+    assert torch.equal(_select(blocks, rows, slice(1, 3), fresh), blocks[[0, 1, 3]][:, 1:3])
 
 
 @pytest.mark.parametrize("n", [0, 1, 2, 7, 100, 1 << 20, (1 << 22) + 6, (1 << 22) + 7, 1 << 24])

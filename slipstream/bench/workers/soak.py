@@ -110,7 +110,7 @@ def describe(call: dict) -> str:
 
 
 def _view(buffer: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
-    return buffer[: numel * torch.tensor([], dtype=dtype).element_size()].view(dtype)
+    return buffer[: numel * dtype.itemsize].view(dtype)
 
 
 def _run(call: dict, group, x: torch.Tensor, outputs: torch.Tensor) -> torch.Tensor:

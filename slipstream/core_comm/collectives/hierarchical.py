@@ -262,13 +262,11 @@ def _rows(ranks: tuple[int, ...]) -> slice | torch.Tensor:
     return torch.tensor(ranks)
 
 
-def _select(blocks: torch.Tensor, rows: slice | torch.Tensor, cols: slice, take=None) -> torch.Tensor:
-    """``blocks[rows, cols]``: a view for a slice of rows, a copy for an index (in
-    ``take(numel, dtype)`` when given)."""
+def _select(blocks: torch.Tensor, rows: slice | torch.Tensor, cols: slice, take) -> torch.Tensor:
+    """``blocks[rows, cols]``: a view for a slice of rows, a copy in ``take(numel, dtype)`` for
+    an index."""
     if isinstance(rows, slice):
         return blocks[rows, cols]
-    if take is None:
-        return blocks[:, cols].index_select(0, rows)
     into = take(rows.numel() * (cols.stop - cols.start), blocks.dtype).view(rows.numel(), -1)
     return torch.index_select(blocks[:, cols], 0, rows, out=into)
 
