@@ -98,7 +98,7 @@ def draw(rng: random.Random, groups: dict[str, list[int]], max_bytes: int) -> di
     kind, dtype = rng.choice(KINDS), rng.choice(DTYPES)
     name = rng.choice(list(groups))
     nbytes = 0 if rng.random() < 0.01 else int(2 ** rng.uniform(0, math.log2(max_bytes)))
-    numel = nbytes // torch.tensor([], dtype=dtype).element_size()
+    numel = nbytes // dtype.itemsize
     if kind == "reduce_scatter":
         numel -= numel % len(groups[name])
     return {"kind": kind, "dtype": dtype, "group": name, "members": groups[name], "numel": numel,
