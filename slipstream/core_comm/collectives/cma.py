@@ -110,7 +110,7 @@ class CmaComm:
         self.chunk_bytes = chunk_bytes
         self._pids = _probe(shm.group, shm.rank)
         self._scratch = torch.empty(chunk_bytes, dtype=torch.uint8)  # one peer's chunk
-        self._acc = torch.empty(chunk_bytes // 2, dtype=torch.float32)  # of fp16/bf16 chunks
+        self._acc = torch.empty(2, chunk_bytes // 2, dtype=torch.float32)  # fp16/bf16: the sum, a peer's chunk
 
     def all_reduce(self, tensor: torch.Tensor, op=ReduceOp.SUM) -> None:
         """In place: ``tensor`` (any shape) becomes the reduction over ranks."""
@@ -199,11 +199,14 @@ class CmaComm:
         for lo in range(0, dst.numel(), cap):
             m = min(dst.numel() - lo, cap)
             out = dst[lo:lo + m]
-            acc = self._acc[:m].copy_(own[lo:lo + m]) if upcast else out
+            acc = self._acc[0, :m].copy_(own[lo:lo + m]) if upcast else out
             first = acc if upcast else own[lo:lo + m]
             for k, j in enumerate(self._peers()):
                 self._io(read_peer, j, row.data_ptr(), int(addrs[j]) + offset + lo * esz, m * esz)
-                fn(first if k == 0 else acc, row[:m], out=acc)
+                # Upcast into a kept row: torch's mixed add makes a new fp32 copy of each peer's chunk,
+                # 512 KiB a time from glibc's heaps.
+                peer = self._acc[1, :m].copy_(row[:m]) if upcast else row[:m]
+                fn(first if k == 0 else acc, peer, out=acc)
             if op == ReduceOp.AVG:
                 acc.div_(self.shm.world)
             if upcast:
