@@ -2,6 +2,7 @@
 chunk size, on (override-emulated) 2 x 2, 3 x 1 and 2 x 1 nodes, and on one node."""
 
 import dataclasses
+import random
 
 import pytest
 import torch
@@ -247,6 +248,32 @@ def test_a_chunks_temporaries_are_kept_for_the_chunk_a_ring_later_and_never_over
     held = ring.held()
     big = ring.take(0, KEPT // 4 + 1, torch.float32)
     assert ring.held() == held and big.numel() == KEPT // 4 + 1
+
+
+def test_every_slot_takes_the_largest_size_at_its_next_chunk_so_memory_held_stops_growing():
+    """The largest chunk of a call falls on one slot, which one depending on the call's chunk
+    count; the other slots take its size when their next chunk begins. So after the first
+    largest chunk and one round of the ring, calls of any chunk count hold no more memory."""
+    ring, k = Scratch(3), 0
+
+    def call(sizes):  # one call's chunks, each taking a piece of ``size`` bytes
+        nonlocal k
+        for size in sizes:
+            ring.begin(k)
+            ring.take(k, size, torch.uint8)
+            k += 1
+
+    call([1000, 2000])
+    assert ring.held() == 2 * (1 << 20)  # two slots used, one grain each
+    call([3 << 20])  # the largest chunk so far, on slot 2
+    assert ring.held() == 2 * (1 << 20) + (3 << 20)
+    call([10, 10, 10])  # slots 0 and 1 take the largest size as they begin
+    held = ring.held()
+    assert held == 3 * (3 << 20)
+    rng = random.Random(0)
+    for _ in range(50):  # the largest chunk on every slot in turn: nothing more is mapped
+        call([rng.randrange(1, 3 << 20) for _ in range(rng.randrange(1, 8))] + [3 << 20])
+        assert ring.held() == held
 
 
 def test_a_slot_grows_to_the_chunk_and_keeps_what_it_gave():

@@ -11,11 +11,16 @@ Rounding each temporary up to a power of two did not help (12-40%); mapping each
 the system cost 3-4.5 ms of page faults per 8 MiB here, against 0.4 ms from the heap.
 
 So each chunk in flight has an arena of its own, ``slots`` of them in a ring: a chunk's
-temporaries are carved from its slot's arena, which grows to the most a chunk has taken and
-is reused by the chunk ``slots`` later, once that one is finished. The arenas are mapped from
-the system, outside glibc's heaps, so one outgrown is returned whole. A temporary over
-``KEPT`` bytes is made and freed as before, so that one huge call does not leave its chunks
-held.
+temporaries are carved from its slot's arena, which is reused by the chunk ``slots`` later,
+once that one is finished. The arenas are mapped from the system, outside glibc's heaps, so
+one outgrown is returned whole. A temporary over ``KEPT`` bytes is made and freed as before,
+so that one huge call does not leave its chunks held.
+
+The arenas all have the size of the most one chunk has taken: a slot outgrown by its chunk
+sets the size, and every other slot takes it when its next chunk begins, its pages written
+then. Which slot a call's largest chunk falls on depends on how many chunks the call has; with
+one size for all, the memory held reaches its most at the first such chunk, not at the first
+on each slot, and stays there (a rank's memory is flat from then on).
 """
 
 from __future__ import annotations
@@ -45,20 +50,25 @@ def fresh(numel: int, dtype: torch.dtype) -> torch.Tensor:
 
 class Scratch:
     """The arenas of one communicator's chunks in flight (its calls run one at a time).
-    ``slots``: at least the chunks in flight at once plus one. Memory held: up to ``slots``
-    times the most one chunk has taken (of ``KEPT``-sized pieces at most)."""
+    ``slots``: at least the chunks in flight at once plus one. Memory held: ``slots`` times the
+    most one chunk has taken (of ``KEPT``-sized pieces at most), once each slot has begun again."""
 
-    __slots__ = ("_arenas", "_used")
+    __slots__ = ("_arenas", "_used", "_size")
 
     def __init__(self, slots: int) -> None:
         if slots < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
         self._arenas = [torch.empty(0, dtype=torch.uint8) for _ in range(slots)]
         self._used = [0] * slots
+        self._size = 0  # every arena's size once its slot begins again
 
     def begin(self, slot: int) -> None:
-        """Chunk ``slot`` (modulo the ring) starts: every piece its slot gave before is free."""
-        self._used[slot % len(self._arenas)] = 0
+        """Chunk ``slot`` (modulo the ring) starts: every piece its slot gave before is free.
+        A slot smaller than another grows to its size here, its pages written."""
+        i = slot % len(self._arenas)
+        self._used[i] = 0
+        if self._arenas[i].numel() < self._size:
+            self._arenas[i] = _mapped(self._size).fill_(0)
 
     def take(self, slot: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised contiguous ``(numel,)`` tensor of ``dtype`` from ``slot``'s arena,
@@ -71,6 +81,7 @@ class Scratch:
         arena = self._arenas[i]
         if lo + nbytes > arena.numel():  # grows; pieces given before keep the old arena alive
             arena = self._arenas[i] = _mapped(max(lo + nbytes, arena.numel() * 5 // 4))
+            self._size = max(self._size, arena.numel())
         self._used[i] = lo + -(-nbytes // _ALIGN) * _ALIGN
         return arena[lo:lo + nbytes].view(dtype)
 
