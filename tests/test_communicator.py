@@ -210,3 +210,21 @@ def test_topology_keys_prefer_override_and_reject_cross_host_nodes():
     topo = Topology((0, 1, 0, 1), 3)
     assert topo.local_ranks == (1, 3) and topo.local_rank == 1 and topo.peers(0) == (0, 1)
     assert not Topology((0, 0, 0, 1), 0).is_uniform
+
+
+def test_an_all_reduce_across_nodes_is_chunked_by_a_quarter_rounded_down_to_a_power_of_two():
+    """So that a chunk's temporaries come in a few sizes, which the path's arenas reach early;
+    never below the configured chunk, and a chunk the tuner chose is kept."""
+    class Path:
+        def all_reduce(self, flat, op, chunk_bytes, inter):
+            seen.append(chunk_bytes)
+
+    comm = Communicator.__new__(Communicator)
+    comm.hier, comm.config, seen = Path(), CommConfig(), []
+    sizes = [1 << 20, 16 << 20, (17 << 20) + 64, (32 << 20) - 4, 32 << 20, 48 << 20, (64 << 20) - 4, 64 << 20,
+             100 << 20]
+    for nbytes in sizes:
+        comm._cpu_all_reduce(torch.empty(nbytes // 4), dist.ReduceOp.SUM, None)
+    assert [c >> 20 for c in seen] == [4, 4, 4, 4, 8, 8, 8, 16, 16]
+    comm._cpu_all_reduce(torch.empty(1 << 20), dist.ReduceOp.SUM, 3 << 20)
+    assert seen[-1] == 3 << 20

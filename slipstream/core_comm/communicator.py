@@ -315,7 +315,8 @@ class Communicator:
             # link's network work on 2 cores) waits for a rank to be scheduled. 64 MiB on 2x2
             # emulated nodes at 1 Gbit/s: 16 MiB chunks 814-874 ms, 4 MiB 992-1025 ms, 1 MiB
             # 994-1108 ms (benchmarks/results/comm_*.md). 16 MiB messages keep 4 MiB chunks.
-            chunk_bytes = max(self.config.chunk_bytes, nbytes // 4 // 64 * 64)
+            # Rounded down to a power of two: chunks of few sizes, which the arenas reach early.
+            chunk_bytes = max(self.config.chunk_bytes, 1 << max(0, (nbytes // 4).bit_length() - 1))
         self.hier.all_reduce(flat, op, chunk_bytes=chunk_bytes, inter=lossy)
 
     def _all_reduce(self, algo, tensor, op, chunk_bytes, lossy=None) -> None:
