@@ -49,15 +49,20 @@ reduce-scatter gap was within noise (4 KiB: 0.83 vs 0.93 ms): hierarchical at ev
 A config's ``min_hierarchical_bytes`` raises these."""
 
 
-ONE_PER_NODE_STOCK_BELOW_BYTES = {"all_reduce": 4 << 20, "all_gather": 4 << 20, "reduce_scatter": 256 << 10}
+ONE_PER_NODE_STOCK_BELOW_BYTES = {"all_reduce": 4 << 20, "all_gather": 1 << 20, "reduce_scatter": 256 << 10}
 """With one rank per node, and no plan, the stock collective below these full-buffer sizes. There
 is no stage inside a node then: the hierarchical path is the stock exchange between the nodes
 plus its own per-call work. `slipstream bench comm --nodes 2 --ranks-per-node 1 --link 1gbit
 --iters 20` (medians of 3, benchmarks/results/comm_2node_*.md), hierarchical against gloo: the
 allreduce 0.86x-1.07x up to 1 MiB, 1.02x at 4 and 16 MiB; the allgather 0.59x-0.98x up to 1 MiB,
 1.19x at 4 MiB; the reduce-scatter 0.73x-0.85x up to 64 KiB, 1.58x at 256 KiB (gloo's costs a
-whole allreduce). Not where a ``wire`` format makes the message smaller. A config's
-``min_hierarchical_bytes`` raises these; a tuned plan replaces them."""
+whole allreduce). The allgather's was 4 MiB too, until gloo's own (it gathers into a new buffer
+and copies out) was found to leave glibc's heaps fragmented: in a 2-node soak, every growth of
+the heaps after the 1,000th call came from 1-4 MiB allgathers on one-rank-per-node groups. With
+the hierarchical path's chunks in place and its temporaries in arenas, it is the faster from
+1 MiB: 1.19x, 1.24x, 1.28x, 1.37x gloo at 1, 2, 3, 4 MiB (2 x 1 ranks, AMD EPYC, medians of 3,
+benchmarks/results/faults_*.md). Not where a ``wire`` format makes the message smaller. A
+config's ``min_hierarchical_bytes`` raises these; a tuned plan replaces them."""
 
 
 @dataclass(frozen=True)
