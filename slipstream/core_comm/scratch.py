@@ -53,22 +53,22 @@ class Scratch:
     ``slots``: at least the chunks in flight at once plus one. Memory held: ``slots`` times the
     most one chunk has taken (of ``KEPT``-sized pieces at most), once each slot has begun again."""
 
-    __slots__ = ("_arenas", "_used", "_size")
+    __slots__ = ("_arenas", "_used")
 
     def __init__(self, slots: int) -> None:
         if slots < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
         self._arenas = [torch.empty(0, dtype=torch.uint8) for _ in range(slots)]
         self._used = [0] * slots
-        self._size = 0  # every arena's size once its slot begins again
 
     def begin(self, slot: int) -> None:
         """Chunk ``slot`` (modulo the ring) starts: every piece its slot gave before is free.
         A slot smaller than another grows to its size here, its pages written."""
         i = slot % len(self._arenas)
         self._used[i] = 0
-        if self._arenas[i].numel() < self._size:
-            self._arenas[i] = _mapped(self._size).fill_(0)
+        size = max(a.numel() for a in self._arenas)
+        if self._arenas[i].numel() < size:
+            self._arenas[i] = _mapped(size).fill_(0)
 
     def take(self, slot: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised contiguous ``(numel,)`` tensor of ``dtype`` from ``slot``'s arena,
@@ -81,7 +81,6 @@ class Scratch:
         arena = self._arenas[i]
         if lo + nbytes > arena.numel():  # grows; pieces given before keep the old arena alive
             arena = self._arenas[i] = _mapped(max(lo + nbytes, arena.numel() * 5 // 4))
-            self._size = max(self._size, arena.numel())
         self._used[i] = lo + -(-nbytes // _ALIGN) * _ALIGN
         return arena[lo:lo + nbytes].view(dtype)
 
