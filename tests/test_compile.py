@@ -472,6 +472,8 @@ def test_the_stacks_run_length_sets_the_budget_unless_the_user_did():
     assert CompileConfig(expected_steps=50).with_run_length(200).expected_steps == 50  # the user's holds
     for unknown in (None, 0, -1, 2.5, True, "200"):
         assert CompileConfig().with_run_length(unknown).expected_steps is None
+        assert CompileConfig().with_run_length(200, unknown).expected_steps is None
+    assert CompileConfig().with_run_length(200, 4).expected_steps == 800  # a forward call per micro-batch
     ds = {"scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 300, "warmup_num_steps": 10}}}
     assert run_length(ds) == 300
     for no in ({}, {"scheduler": {"type": "WarmupLR", "params": {}}}, {"scheduler": None},

@@ -514,3 +514,33 @@ def _install_comm_settings(rank, world):
 def test_install_comm_with_other_settings_replaces_the_stand_in():
     results = run_ranks(_install_comm_settings, 2, rank_env=_env(0, 0), timeout=300)
     assert results[0] == results[1] == [4.0] * 1000
+
+
+def _compiled_run_length(rank, world):
+    """ZeRO-2 with ``"compile"`` in the section and a scheduler of 3 steps of 2 micro-batches:
+    the search's run length and what it chose."""
+    import slipstream
+    import slipstream.deepspeed as sds
+
+    torch.manual_seed(0)  # layers of one class: regions to compile
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Linear(64, 64), torch.nn.Linear(64, 32))
+    cfg = _ds_config(2, 2, {"enabled": True, "comm": COMM,
+                            "compile": {"enabled": True, "cache": False, "verbose": False, "background": False}})
+    cfg["scheduler"] = {"type": "WarmupDecayLR", "params": {"total_num_steps": 3, "warmup_num_steps": 1}}
+    engine, *_ = sds.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    for x, y in _mlp_batches(rank, 6):
+        loss = (engine(x) - y).pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+    report = slipstream.compile_report(engine.module)
+    return {"expected_steps": report.expected_steps, "decided_at_step": report.decided_at_step,
+            "chosen": report.chosen, "skipped": {c.name: c.reason for c in report.candidates if c.status == "skipped"}}
+
+
+def test_the_search_counts_the_schedulers_steps_times_the_accumulation():
+    """The engine's module is called once per micro-batch: 3 scheduler steps of 2 micro-batches
+    are 6 forward calls, whose 5% pays for no compile, so the search ends at step 4."""
+    for report in run_ranks(_compiled_run_length, 2, rank_env=_env(0, 0), timeout=300):
+        assert report["expected_steps"] == 6 and report["decided_at_step"] == 4, report
+        assert report["chosen"] == "eager" and report["skipped"], report
+        assert all("expected compile" in why or "did not change" in why for why in report["skipped"].values()), report

@@ -43,13 +43,13 @@ def test_embedded_default_runs_end_to_end_and_matches_stock(tmp_path):
 
 
 def test_fsdp_stack_compare_matches_stock_fsdp2_with_its_collectives_through_the_core(tmp_path, monkeypatch):
-    """Ours also compiles (--compile): a 4-step run's budget (5% of it) pays for no compile, so
-    none is tried at step 4 (steps 2 and 3 time eager), and each step is eager's (the budget's
-    own checks: tests/test_compile.py)."""
+    """Ours also compiles (--compile): a run of 2 steps of 2 micro-batches is 4 forward calls,
+    whose budget (5% of them) pays for no compile, so none is tried at step 4 (steps 2 and 3
+    time eager), and each step is eager's (the budget's own checks: tests/test_compile.py)."""
     monkeypatch.setenv("SLIPSTREAM_COMPILE_DIR", str(tmp_path / "compile-cache"))
     figures = tmp_path / "figures.json"
-    assert main(["finetune", "--stack", "fsdp", "--compare", "--compile", "--steps", "4", "--samples", "48",
-                 "--max-length", "128", "--batch-size", "4", "--output-dir", str(tmp_path / "run"), "--json",
+    assert main(["finetune", "--stack", "fsdp", "--compare", "--compile", "--steps", "2", "--grad-accum", "2",
+                 "--samples", "48", "--max-length", "128", "--batch-size", "4", "--output-dir", str(tmp_path / "run"), "--json",
                  str(figures)]) == 0
     stock, ours = json.loads(figures.read_text())
     assert stock["stack"] == ours["stack"] == "fsdp2"

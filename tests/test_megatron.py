@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import slipstream  # noqa: F401 - registers the backend (the ranks import this module)
+import slipstream  # registers the backend (the ranks import this module)
 from _dist import from_bytes as _load, run_ranks, to_bytes as _bytes
 from _megatron_optimizer import train as _optimizer_train
 
@@ -162,6 +162,23 @@ def test_the_argument_provider_parses_chains_and_refuses_bad_values(tmp_path):
         assert DistributedDataParallel.__init__ is init
     finally:
         megatron.disable_compile()
+
+
+def test_the_search_counts_an_iterations_micro_batches():
+    """Megatron's DDP module is called once per micro-batch: ``--train-iters`` times the
+    micro-batches of Megatron's calculator (global batch / (micro-batch x data-parallel))."""
+    from megatron.core import num_microbatches_calculator as calculator
+
+    from slipstream.plugins.megatron.adapter import micro_batches
+
+    assert micro_batches() == 1  # megatron-core without Megatron-LM's set-up
+    calculator.init_num_microbatches_calculator(rank=0, rampup_batch_size=None, global_batch_size=16,
+                                                micro_batch_size=2, data_parallel_size=2)
+    try:
+        assert micro_batches() == 4
+        assert slipstream.CompileConfig().with_run_length(5, micro_batches()).expected_steps == 20
+    finally:
+        calculator.destroy_num_microbatches_calculator()
 
 
 def test_megatron_ddp_with_slipstream_compile_trains_as_eager_with_the_ranks_agreeing():

@@ -29,14 +29,16 @@ def undo_job_effects() -> None:
     release_freed_memory()
 
 
-def compile_model(model, settings: SlipstreamConfig | None, group=None, steps: int | None = None) -> bool:
+def compile_model(model, settings: SlipstreamConfig | None, group=None, steps: int | None = None,
+                  micro_batches: int = 1) -> bool:
     """``slipstream.compile`` on the stack's model when the section has ``"compile"``; a
     wrapped model (DDP, FSDP2, a DeepSpeed engine's module) gets its hook-free regions.
-    ``steps``: the run's length where the stack knows it (the search's budget is a share of
-    it). Returns whether it was applied."""
+    ``steps``: the run's length in optimizer steps where the stack knows it, each of
+    ``micro_batches`` forward calls (the search's budget is a share of the run). Returns
+    whether it was applied."""
     if settings is None or settings.compile is None or not settings.compile.enabled:
         return False
     from ..core_compile import compile as compile_
 
-    compile_(model, config=settings.compile.with_run_length(steps), group=group)
+    compile_(model, config=settings.compile.with_run_length(steps, micro_batches), group=group)
     return True

@@ -39,7 +39,7 @@ def ds_config(args) -> dict:
         return cfg
     section = cfg.setdefault("slipstream", {"enabled": True})
     if args.compile:
-        section["compile"] = {"enabled": True, "expected_steps": args.steps}
+        section["compile"] = {"enabled": True, "expected_steps": args.steps * args.grad_accum}  # forward calls
     if args.no_varlen:  # the collectives alone
         section["varlen"] = {"enabled": False}
     return cfg

@@ -54,7 +54,8 @@ def train(args) -> dict:
         if args.compile:
             from ..core_compile import CompileConfig, compile as compile_
 
-            compile_(model, config=CompileConfig(expected_steps=args.steps))  # after fully_shard: its hook-free regions
+            # after fully_shard: its hook-free regions; a forward call per micro-batch
+            compile_(model, config=CompileConfig().with_run_length(args.steps, args.grad_accum))
     _time_comms(model, timer)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     reduction = grad_reduction()

@@ -27,9 +27,11 @@ class CompileConfig(Settings):
     """Skip the search and use this strategy (still checked against eager at the first step,
     still put back on eager on any failure)."""
     expected_steps: int | None = None
-    """Steps in the whole run. The stacks fill it in when they know it (``finetune --steps``,
-    Megatron's ``--train-iters``, DeepSpeed's scheduler ``total_num_steps``); with it the
-    search costs at most ``budget_share`` of the run (``budget``)."""
+    """Steps in the whole run, a step being one call of the model's forward (with gradient
+    accumulation, each micro-batch's). The stacks fill it in when they know it (``finetune
+    --steps``, Megatron's ``--train-iters``, DeepSpeed's scheduler ``total_num_steps``, the
+    Hugging Face Trainer's ``max_steps``), times their micro-batches per optimizer step; with
+    it the search costs at most ``budget_share`` of the run (``budget``)."""
     budget_share: float = 0.05
     """Share of the run (``expected_steps`` x eager's step time) the search may cost."""
     budget_s: float = 600.0
@@ -84,12 +86,18 @@ class CompileConfig(Settings):
             object.__setattr__(self, "strategies", tuple(self.strategies))
             strategy.candidates("cpu", names=self.strategies)  # unknown names refused here
 
-    def with_run_length(self, steps) -> "CompileConfig":
-        """This config with ``expected_steps=steps`` when the user set none and ``steps`` (the
-        stack's run length) is a whole number >= 1; else this config."""
-        if self.expected_steps is not None or isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+    def with_run_length(self, steps, micro_batches=1) -> "CompileConfig":
+        """This config with ``expected_steps`` set to ``steps`` (the stack's run length in
+        optimizer steps) times ``micro_batches`` (forward calls per optimizer step: gradient
+        accumulation, pipeline micro-batches) when the user set none and both are whole numbers
+        >= 1; else this config."""
+        if self.expected_steps is not None or not (_whole(steps) and _whole(micro_batches)):
             return self
-        return dataclasses.replace(self, expected_steps=steps)
+        return dataclasses.replace(self, expected_steps=steps * micro_batches)
+
+
+def _whole(n) -> bool:
+    return isinstance(n, int) and not isinstance(n, bool) and n >= 1
 
 
 @dataclass

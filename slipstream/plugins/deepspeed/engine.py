@@ -101,7 +101,8 @@ def _set_up(original, args, kwargs):
         compiled = False
     else:
         # DeepSpeed's hooks: the hook-free regions; the search's budget a share of the run, if stated
-        compiled = compile_model(result[0].module, settings, steps=run_length(ds_config))
+        compiled = compile_model(result[0].module, settings, steps=run_length(ds_config),
+                                 micro_batches=result[0].gradient_accumulation_steps())
     owners = patch_zero_optimizer(result[0].optimizer, overlap=settings.comm.overlap)
     if stage == 3 and settings.comm.overlap:
         patch_zero3_optimizer(result[0].optimizer)

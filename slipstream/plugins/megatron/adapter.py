@@ -95,7 +95,7 @@ def read_arguments(args: argparse.Namespace) -> tuple[bool, "SlipstreamConfig | 
 
         compile_config = dataclasses.replace(compile_config or CompileConfig(), enabled=True)
     if compile_config is not None and compile_config.enabled:
-        enable_compile(compile_config.with_run_length(getattr(args, "train_iters", None)))
+        enable_compile(compile_config, steps=getattr(args, "train_iters", None))
     return on, settings
 
 
@@ -110,11 +110,13 @@ def name_backend(args: argparse.Namespace) -> None:
 
 
 # ------------------------------------------------------------------ compile
-def enable_compile(config=None) -> None:
+def enable_compile(config=None, steps: int | None = None) -> None:
     """From now on, each module Megatron's ``DistributedDataParallel`` wraps goes through
     ``slipstream.compile(module, config=config, group=<its data-parallel group>)`` at the end of
-    the wrapper's ``__init__``. Idempotent (the latest ``config`` holds); ``disable_compile``
-    undoes it (modules already wrapped keep their autotuner: ``slipstream.uncompile``)."""
+    the wrapper's ``__init__``. ``steps``: the run's iterations (``--train-iters``), each of as
+    many forward calls of the module as Megatron's micro-batches then (``micro_batches``).
+    Idempotent (the latest ``config`` holds); ``disable_compile`` undoes it (modules already
+    wrapped keep their autotuner: ``slipstream.uncompile``)."""
     from megatron.core.distributed import distributed_data_parallel as ddp_module
 
     from ...core_compile import compile as compile_
@@ -132,7 +134,7 @@ def enable_compile(config=None) -> None:
     def __init__(self, *args, **kwargs):
         original(self, *args, **kwargs)
         group = getattr(self, "dp_cp_group", None)  # the ranks that see the same model
-        compile_(self.module, config=config, group=group)
+        compile_(self.module, config=config.with_run_length(steps, micro_batches()), group=group)
         note_stack("megatron-compile", engaged=True, by="--slipstream-compile",
                    model=f"{type(self.module).__name__} under Megatron's DDP: strategy chosen by measurement "
                          "(slipstream.compile_report(ddp.module))")
@@ -142,6 +144,17 @@ def enable_compile(config=None) -> None:
 
 def disable_compile() -> None:
     uninstall_all(_OWNER + "-compile")
+
+
+def micro_batches() -> int:
+    """Forward calls of a wrapped module per iteration: Megatron's micro-batches (global batch
+    over micro-batch times data-parallel size), 1 where its calculator is not set up."""
+    from megatron.core import num_microbatches_calculator as calculator
+
+    try:
+        return calculator.get_num_microbatches()
+    except AttributeError:  # no calculator: megatron-core used without Megatron-LM's set-up
+        return 1
 
 
 # ------------------------------------------------------------------ the check after set-up
