@@ -799,6 +799,17 @@ def test_uncompile_restores_the_forward_and_compile_is_idempotent(tmp_path):
     slipstream.uncompile(model)  # no-op
 
 
+def test_the_tuned_forward_shows_the_models_own_signature(tmp_path):
+    """The Hugging Face Trainer keeps the batch's columns that ``inspect.signature(model.forward)``
+    names: a tuner showing (*args, **kwargs) had every column dropped."""
+    import inspect
+
+    model = Net()
+    own = inspect.signature(model.forward)
+    slipstream.compile(model, config=_cfg(tmp_path))
+    assert inspect.signature(model.forward) == own and list(own.parameters) == ["x", "y"]
+
+
 @pytest.mark.parametrize("bad, match", [
     (dict(budget_s=0), "budget_s"), (dict(measure_rounds=0), "measure_rounds"),
     (dict(min_speedup=0.9), "min_speedup"), (dict(strategies=("fast",)), "unknown compile strategy 'fast'"),

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import weakref
 
 import torch
@@ -40,6 +42,10 @@ def compile(model: torch.nn.Module, example=None, *, config: CompileConfig | Non
         else:
             args, kwargs = tuple(example) if isinstance(example, (tuple, list)) else (example,), {}
         tuner._graph_breaks(args, kwargs)
+    with contextlib.suppress(TypeError, ValueError):  # a forward without one keeps the tuner's own
+        # inspect.signature(model.forward) stays the model's: the Hugging Face Trainer keeps the
+        # batch's columns that the forward names, and would drop them all for (*args, **kwargs)
+        tuner.__signature__ = inspect.signature(tuner.eager)
     module.forward = tuner
     ref = weakref.ref(module)
     change(("compile", id(module)), f"{type(module).__name__}.forward: slipstream.compile's autotuner",
