@@ -3,6 +3,7 @@ section, and apply the job-wide effects of its settings once per process."""
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Mapping
 
 from .config import SlipstreamConfig
@@ -40,5 +41,10 @@ def compile_model(model, settings: SlipstreamConfig | None, group=None, steps: i
         return False
     from ..core_compile import compile as compile_
 
-    compile_(model, config=settings.compile.with_run_length(steps, micro_batches), group=group)
+    config = settings.compile.with_run_length(steps, micro_batches)
+    compile_(model, config=config, group=group)
+    if config.expected_steps is None and "transformers.trainer_callback" in sys.modules:
+        from .transformers import install
+
+        install()  # a Hugging Face Trainer tells the run's length when training starts
     return True

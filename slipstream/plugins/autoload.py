@@ -19,7 +19,7 @@ __all__ = ["install_hooks", "remove_hooks"]
 
 # stack module -> adapter module with install() / uninstall()
 ADAPTERS = {"deepspeed": "slipstream.plugins.deepspeed", "accelerate": "slipstream.plugins.accelerate",
-            "megatron.core": "slipstream.plugins.megatron"}
+            "megatron.core": "slipstream.plugins.megatron", "transformers": "slipstream.plugins.transformers"}
 
 
 class _AdapterHook(AfterImport):

@@ -13,7 +13,7 @@ from ..._common.patch import change, forget
 from .autotuner import MARKER, Autotuner
 from .config import CompileConfig, CompileReport
 
-__all__ = ["compile", "compile_report", "is_compiled", "uncompile"]
+__all__ = ["compile", "compile_report", "is_compiled", "tell_run_length", "uncompile"]
 
 
 def _target(model: torch.nn.Module) -> torch.nn.Module:
@@ -61,6 +61,21 @@ def compile_report(model: torch.nn.Module) -> CompileReport | None:
     """What ``compile`` measured and chose for ``model`` (None if it was not compiled)."""
     tuner = vars(_target(model)).get("forward")
     return tuner.report if getattr(tuner, MARKER, False) else None
+
+
+def tell_run_length(model: torch.nn.Module, steps, micro_batches=1) -> int:
+    """Give the autotuners in ``model`` (its modules') the run's length, ``steps`` optimizer
+    steps of ``micro_batches`` forward calls (``CompileConfig.with_run_length``), where neither
+    the user nor a stack set one and the autotuner has not taken its first step. For a stack
+    that knows the run's length only after the model was compiled (the Hugging Face Trainer).
+    Returns how many were told."""
+    told = 0
+    for module in model.modules():
+        tuner = vars(module).get("forward")
+        if getattr(tuner, MARKER, False) and tuner.phase == "start" and tuner.config.expected_steps is None:
+            tuner.config = tuner.config.with_run_length(steps, micro_batches)
+            told += tuner.config.expected_steps is not None
+    return told
 
 
 def uncompile(model: torch.nn.Module) -> None:
