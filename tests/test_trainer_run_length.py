@@ -50,7 +50,7 @@ def test_the_trainer_tells_the_search_its_steps_times_the_accumulation(tmp_path)
         assert all(c.status == "skipped" for n, c in by_name.items() if n != "eager"), report
         assert "expected compile" in by_name["inductor"].reason, report
         told = slipstream.status()["stacks"]["transformers"]["compile_run_length"]
-        assert told.startswith("3 steps x 2 micro-batches"), told
+        assert told.startswith("6 forward calls (the Trainer's 3 steps left x gradient_accumulation_steps 2)"), told
 
         mine = _compiled(tmp_path, expected_steps=50)  # the user's own length holds
         _train(tmp_path, mine, max_steps=3, accumulation=2)

@@ -66,7 +66,7 @@ def tell(model, steps, accumulation) -> int:
 
     told = tell_run_length(model, steps, accumulation) if model is not None else 0
     if told:
-        note_stack("transformers", compile_run_length=f"{steps} steps x {accumulation} micro-batches "
-                                                      "(the Trainer's steps left x gradient_accumulation_steps), "
+        note_stack("transformers", compile_run_length=f"{steps * accumulation} forward calls (the Trainer's {steps} "
+                                                      f"steps left x gradient_accumulation_steps {accumulation}), "
                                                       f"told to {told} compiled module(s)")
     return told
