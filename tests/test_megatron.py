@@ -165,12 +165,18 @@ def test_the_argument_provider_parses_chains_and_refuses_bad_values(tmp_path):
 
 
 def test_the_search_counts_an_iterations_micro_batches():
-    """Megatron's DDP module is called once per micro-batch: ``--train-iters`` times the
-    micro-batches of Megatron's calculator (global batch / (micro-batch x data-parallel))."""
+    """Megatron's DDP module is called once per micro-batch: ``--train-iters`` (or the samples
+    over the global batch) times the micro-batches of Megatron's calculator (global batch /
+    (micro-batch x data-parallel))."""
     from megatron.core import num_microbatches_calculator as calculator
 
     from slipstream.plugins.megatron.adapter import micro_batches
 
+    from slipstream.plugins.megatron.adapter import train_iterations
+
+    assert train_iterations(argparse.Namespace(train_iters=7, train_samples=None, global_batch_size=16)) == 7
+    assert train_iterations(argparse.Namespace(train_iters=None, train_samples=100, global_batch_size=16)) == 6
+    assert train_iterations(argparse.Namespace(slipstream_compile=True)) is None
     assert micro_batches() == 1  # megatron-core without Megatron-LM's set-up
     calculator.init_num_microbatches_calculator(rank=0, rampup_batch_size=None, global_batch_size=16,
                                                 micro_batch_size=2, data_parallel_size=2)

@@ -95,7 +95,7 @@ def read_arguments(args: argparse.Namespace) -> tuple[bool, "SlipstreamConfig | 
 
         compile_config = dataclasses.replace(compile_config or CompileConfig(), enabled=True)
     if compile_config is not None and compile_config.enabled:
-        enable_compile(compile_config, steps=getattr(args, "train_iters", None))
+        enable_compile(compile_config, steps=train_iterations(args))
     return on, settings
 
 
@@ -144,6 +144,15 @@ def enable_compile(config=None, steps: int | None = None) -> None:
 
 def disable_compile() -> None:
     uninstall_all(_OWNER + "-compile")
+
+
+def train_iterations(args: argparse.Namespace) -> int | None:
+    """The run's iterations: ``--train-iters``, else ``--train-samples`` over the global batch
+    (Megatron-LM's rule for a run stated in samples); None where neither is known."""
+    iters, samples, batch = (getattr(args, k, None) for k in ("train_iters", "train_samples", "global_batch_size"))
+    if iters is not None or not samples or not batch:
+        return iters
+    return samples // batch
 
 
 def micro_batches() -> int:
