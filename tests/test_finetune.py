@@ -49,8 +49,8 @@ def test_fsdp_stack_compare_matches_stock_fsdp2_with_its_collectives_through_the
     monkeypatch.setenv("SLIPSTREAM_COMPILE_DIR", str(tmp_path / "compile-cache"))
     figures = tmp_path / "figures.json"
     assert main(["finetune", "--stack", "fsdp", "--compare", "--compile", "--steps", "2", "--grad-accum", "2",
-                 "--samples", "48", "--max-length", "128", "--batch-size", "4", "--output-dir", str(tmp_path / "run"), "--json",
-                 str(figures)]) == 0
+                 "--samples", "48", "--max-length", "128", "--batch-size", "4", "--output-dir",
+                 str(tmp_path / "run"), "--json", str(figures)]) == 0
     stock, ours = json.loads(figures.read_text())
     assert stock["stack"] == ours["stack"] == "fsdp2"
     for a, b in zip(stock["losses"], ours["losses"], strict=True):
