@@ -69,8 +69,7 @@ class CompileConfig(Settings):
             raise ValueError(f"budget_s must be > 0, got {self.budget_s}")
         if not 0 < self.budget_share <= 1:
             raise ValueError(f"budget_share must be in (0, 1], got {self.budget_share}")
-        if self.expected_steps is not None and (isinstance(self.expected_steps, bool)
-                                                or not isinstance(self.expected_steps, int) or self.expected_steps < 1):
+        if self.expected_steps is not None and not _whole(self.expected_steps):
             raise ValueError(f"expected_steps must be a whole number >= 1 or None, got {self.expected_steps!r}")
         for name in ("warmup_steps", "max_recompiles", "check_every"):
             if getattr(self, name) < 0:
