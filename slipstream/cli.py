@@ -21,6 +21,7 @@ COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("bench", "loader"): ("slipstream.bench.loader", "collation hidden behind the step by AsyncLoader"),
     ("bench", "compile"): ("slipstream.bench.compile",
                            "slipstream.compile's choice vs eager on ResNet-50, BERT, llama varlen"),
+    ("bench", "gpu"): ("slipstream.bench.gpu", "the GPU check: stream races, staged comm, varlen, compile, GPU tests"),
     ("finetune",): ("slipstream.recipes.finetune", "fine-tune a causal LM with DeepSpeed ZeRO or FSDP2 (+ slipstream)"),
     ("tune",): ("slipstream.commands.tune", "measure and cache the best algorithm per size"),
     ("env",): ("slipstream.commands.env", "this machine: topology, fast paths, tuned plan, versions"),

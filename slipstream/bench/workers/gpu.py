@@ -1,0 +1,216 @@
+"""One stage of ``slipstream bench gpu``, in a process of its own:
+``python -m slipstream.bench.workers.gpu --stage NAME --ctx JSON --rows FILE --out FILE``.
+
+A stage appends its table rows to ``--rows`` as it goes (one JSON object a line: ``case``,
+``result``, ``detail``), so that what it measured before a timeout survives it, and writes what
+else it found to ``--out`` at the end. ``ctx`` (``gpu.py``'s ``_context``) holds the sizes, the
+device, the work directory and ``seconds``, the stage's time: every wait inside is bounded by
+it. SIGTERM (the command's timeout) unwinds like an exception, so the launches and
+subprocesses a stage started are stopped on the way out.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from slipstream.cluster.worker import run_worker
+
+__all__ = ["Rows", "STAGES", "device_tag"]
+
+
+class Rows:
+    """The stage's table rows, appended to a JSON-lines file as they come."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def add(self, case: str, result: str, detail: str = "") -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"case": case, "result": result, "detail": detail}) + "\n")
+
+
+def device_tag(name: str) -> str:
+    """A GPU's short name for a file name: "NVIDIA H100 80GB HBM3" -> "h100",
+    "NVIDIA GeForce RTX 4090" -> "rtx4090", "NVIDIA A100-SXM4-80GB" -> "a100"."""
+    words = [w for w in name.replace("-", " ").split() if w.lower() not in ("nvidia", "tesla", "geforce", "amd")]
+    tag = ""
+    for w in words:
+        tag += re.sub(r"[^a-z0-9]", "", w.lower())
+        if any(ch.isdigit() for ch in w):
+            break
+    return tag or "gpu"
+
+
+def _left(deadline: float, margin: float = 10.0) -> float:
+    """Seconds an inner wait may take: to the stage's deadline, less ``margin`` for the waiter to
+    stop what it started (the launcher: SIGTERM, then SIGKILL 5 s later)."""
+    return max(deadline - time.monotonic() - margin, 1.0)
+
+
+def versions(ctx: dict, rows: Rows, deadline: float) -> dict:
+    """Python, torch (its CUDA and NCCL), transformers, deepspeed, flash-attn, the GPU, slipstream."""
+    import torch
+
+    from slipstream.bench.report import machine, version
+
+    found = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+             "transformers": version("transformers"), "deepspeed": version("deepspeed"),
+             "flash_attn": version("flash_attn") or version("flash-attn"), "slipstream": version("slipstream"),
+             "commit": _commit(ctx["repo"])}
+    rows.add("python", found["python"])
+    nccl = _nccl_version() if torch.cuda.is_available() else None
+    rows.add("torch", found["torch"], f"CUDA {found['cuda'] or 'none'}" + (f", NCCL {nccl}" if nccl else ""))
+    for name in ("transformers", "deepspeed", "flash_attn"):
+        rows.add(name.replace("_", "-"), found[name] or "not installed")
+    rows.add("slipstream", f"{found['slipstream']} ({found['commit']})")
+    gpu = None
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        gpu = {"name": props.name, "capability": f"sm_{props.major}{props.minor}", "count": torch.cuda.device_count(),
+               "memory_gib": round(props.total_memory / 2**30, 1)}
+        rows.add("GPU", props.name, f"{gpu['capability']}, {gpu['memory_gib']} GiB, {gpu['count']} device(s)")
+    else:
+        rows.add("GPU", "none", "the CPU dry run" if ctx["dry_run"] else "no CUDA device")
+    return {"versions": found, "gpu": gpu, "machine": machine(), "nccl": nccl,
+            "device_tag": device_tag(gpu["name"]) if gpu else "cpu"}
+
+
+def _nccl_version() -> str | None:
+    import torch
+
+    try:
+        v = torch.cuda.nccl.version()
+    except (AttributeError, RuntimeError):  # a build without NCCL
+        return None
+    return ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+
+
+def _commit(repo: str) -> str:
+    """The repository's commit, ``+ local changes`` when its tracked files differ from it."""
+    try:
+        head = subprocess.run(["git", "-C", repo, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "-C", repo, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return "commit unknown"
+    return (head or "commit unknown") + (" + local changes" if head and dirty else "")
+
+
+def probe(ctx: dict, rows: Rows, deadline: float) -> dict:
+    """The race probe (``gpu_probe``) of every async wrapper on a 1-rank group in this process
+    (NCCL for CUDA tensors); the staged path's is the next stage's, on its ranks."""
+    import torch
+
+    from . import gpu_probe
+
+    cuda = ctx["device"] == "cuda"
+    where = "1 rank, NCCL" if cuda else "1 rank, gloo, CPU"
+    found = []
+
+    def record(r: dict) -> None:
+        rows.add(r["name"], *gpu_probe.row(r))
+        found.append(r)
+
+    gpu_probe.one_rank(torch.device("cuda", 0) if cuda else torch.device("cpu"), on_result=record)
+    rows.add(f"verdict ({where})", *gpu_probe.verdict(found, cuda))
+    return {"results": found}
+
+
+def comm(ctx: dict, rows: Rows, deadline: float) -> dict:
+    """Ranks sharing one GPU over gloo (``gpu_comm``): the race probe of the staged path, then the
+    core's staged collectives against gloo's own; rank 0 writes the rows."""
+    from slipstream.cluster import ClusterSpec
+    from slipstream.cluster.worker import launch_worker
+
+    argv = ["--bytes", str(ctx["comm_bytes"]), "--iters", str(ctx["comm_iters"]), "--warmup", "2",
+            "--rows", rows.path, *([] if ctx["device"] == "cuda" else ["--cpu"])]
+    return launch_worker("slipstream.bench.workers.gpu_comm", argv, ClusterSpec(nodes=1, ranks_per_node=ctx["ranks"]),
+                         timeout=_left(deadline), quiet=True)
+
+
+def compile_stage(ctx: dict, rows: Rows, deadline: float) -> dict:
+    """``bench compile`` on the varlen llama, told its run length: whole run with compile vs eager."""
+    import argparse
+
+    from slipstream.bench import compile as bench_compile
+
+    from .gpu_varlen import model_dir, parameters
+
+    out = Path(ctx["workdir"]) / "compile.json"
+    argv = ["--models", "llama", "--llama-model", model_dir(ctx["model"], ctx["workdir"]), "--device", ctx["device"],
+            "--steps", str(ctx["compile_steps"]), "--batch-size", str(ctx["compile_batch"]),
+            "--budget-s", str(ctx["compile_budget_s"]), "--timeout", f"{_left(deadline, 15):.0f}", "--json", str(out),
+            *(["--threads", str(ctx["threads"])] if ctx["threads"] else [])]
+    parser = argparse.ArgumentParser(prog="slipstream bench compile")
+    bench_compile.add_arguments(parser)
+    bench_compile.run(parser.parse_args(argv))
+    (r,) = json.loads(out.read_text())
+    case = (f"{ctx['model']} ({parameters(ctx['model']) / 1e6:.1f}M, fp32) varlen, batch {ctx['compile_batch']}, "
+            f"told {ctx['compile_steps']} steps")
+    if "error" in r:
+        rows.add(case, "FAILED", r["error"].strip().splitlines()[-1][:300] if r["error"].strip() else "no output")
+        return r
+    s, rep = r["summary"], r["report"]
+    rows.add(case, f"chose {rep['chosen']}; whole run {s['run_ratio']:.3f}x eager's",
+             f"eager run {s['eager_run_s']:.1f} s, compile-on run {s['tuned_run_s']:.1f} s; decided at step "
+             f"{rep['decided_at_step']}; search cost {s['search_cost_s']:.1f} s ({100 * s['search_share']:.1f}% of "
+             f"the eager run); budget {rep['budget_s'] or 0:.1f} s ({rep['budget_basis']}); loss rel. diff "
+             f"{s['loss_rel_diff']:.1e}")
+    return r
+
+
+def pytest_stage(ctx: dict, rows: Rows, deadline: float) -> dict:
+    """``pytest -m gpu`` in the repository (on a dry run, the ``tests/test_gpu_*.py`` files)."""
+    tests = Path(ctx["repo"]) / "tests"
+    if not tests.is_dir():
+        rows.add("pytest -m gpu", "FAILED", f"no tests directory at {tests} (an installed copy, not a checkout)")
+        return {}
+    paths = sorted(str(p) for p in tests.glob("test_gpu_*.py")) if ctx["dry_run"] else [str(tests)]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-rfE", "-p", "no:cacheprovider", *paths]
+    done = subprocess.run(cmd, cwd=ctx["repo"], capture_output=True, text=True, timeout=_left(deadline))
+    sys.stdout.write(done.stdout[-20000:] + done.stderr[-4000:])
+    lines = done.stdout.splitlines()
+    summary = next((line.strip("= ") for line in reversed(lines)
+                    if re.search(r"\d+ (passed|failed|skipped|deselected|errors?)|no tests ran", line)),
+                   f"exit code {done.returncode}, no summary line")
+    failed = [line.split(" - ")[0].removeprefix("FAILED ").removeprefix("ERROR ") for line in lines
+              if line.startswith(("FAILED ", "ERROR "))]
+    rows.add("pytest -m gpu" + (" (tests/test_gpu_*.py)" if ctx["dry_run"] else ""), summary, ", ".join(failed))
+    return {"returncode": done.returncode, "summary": summary, "failed": failed}
+
+
+def varlen(ctx: dict, rows: Rows, deadline: float) -> dict:
+    from .gpu_varlen import stage
+
+    return stage(ctx, rows, deadline)
+
+
+STAGES = {"versions": versions, "probe": probe, "comm": comm, "varlen": varlen, "compile": compile_stage,
+          "pytest": pytest_stage}
+
+
+def _interrupted(signum, frame) -> None:
+    raise SystemExit(128 + signum)
+
+
+def main(args) -> dict:
+    signal.signal(signal.SIGTERM, _interrupted)
+    ctx = json.loads(args.ctx)
+    if ctx.get("threads"):
+        import torch
+
+        torch.set_num_threads(ctx["threads"])
+    deadline = time.monotonic() + ctx["seconds"]
+    return STAGES[args.stage](ctx, Rows(args.rows), deadline) or {}
+
+
+if __name__ == "__main__":
+    run_worker(main, options={"--stage": str, "--ctx": str, "--rows": str}, group=None, threads=None)
