@@ -86,3 +86,16 @@ def test_device_tag_is_the_gpu_model_in_lower_case():
     assert device_tag("NVIDIA A100-SXM4-80GB") == "a100"
     assert device_tag("NVIDIA GeForce RTX 4090") == "rtx4090"
     assert device_tag("NVIDIA H200") == "h200"
+
+
+def test_the_varlen_models_parameter_count_is_the_built_models():
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from slipstream.bench.workers.gpu_varlen import MODELS, config, parameters
+
+    for name in MODELS:
+        with torch.device("meta"):
+            built = LlamaForCausalLM(config(name))
+        assert parameters(name) == sum(p.numel() for p in built.parameters()), name
+    assert round(parameters("llama-150m") / 1e6, 1) == 153.0

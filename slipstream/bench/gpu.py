@@ -73,6 +73,10 @@ STAGES = (
 
 _KILL_GRACE_S = 5.0
 
+ALPACA_SAMPLES = 1000
+"""Samples ``bench varlen`` generates (``recipes.alpaca``'s default): the batches of its warm-up,
+timed and exactness steps come from them."""
+
 
 @dataclass
 class Outcome:
@@ -285,6 +289,10 @@ def run(args: argparse.Namespace) -> int:
         parse_size(args.comm_size or "1")
     except ValueError as e:
         raise SystemExit(f"--comm-size: {e}") from None
+    batch, steps = args.batch_size or 64, args.steps or 10
+    if batch < 1 or steps < 1 or batch * (steps + 2) > ALPACA_SAMPLES:
+        raise SystemExit(f"--batch-size x (--steps + 2) must be within the {ALPACA_SAMPLES} generated samples "
+                         "bench varlen draws its batches from")
     if not args.dry_run:
         import torch
 

@@ -63,7 +63,8 @@ class _Bucket:
 
 
 def probe(p: Probe, device: torch.device, group=None, *, wait: bool = True) -> dict:
-    """Run probe ``p`` once; ``{"name", "race", "result"}``, the same on every rank of ``group``."""
+    """Run probe ``p`` once on this rank of ``group`` (every rank calls it): ``{"name", "race",
+    "result"}``; ``wait=False`` copies the outputs without waiting (the control that must race)."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     numel = NUMEL if device.type == "cuda" else 4096
     inputs = [torch.full((numel,), -1.0, device=device) for _ in range(p.pairs)]

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["MODELS", "model_dir", "parameters", "stage"]
+__all__ = ["MODELS", "config", "model_dir", "parameters", "stage"]
 
 # name -> LlamaConfig fields. llama-150m: 153.0M parameters (32,000 x 768 embeddings and an
 # untied head, 49.2M; 12 layers of 8.65M: q/o 768x768, k/v 768x256, MLP 3 x 768x3072).
@@ -36,7 +36,8 @@ MODELS = {
 }
 
 
-def _config(name: str):
+def config(name: str):
+    """The ``LlamaConfig`` of model ``name``."""
     from transformers import LlamaConfig
 
     # the special tokens' ids of the bench's tokenizer (recipes.tokenizer.SPECIAL_TOKENS)
@@ -62,7 +63,7 @@ def model_dir(name: str, workdir: str) -> str:
 
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
-            LlamaForCausalLM(_config(name)).to(torch.bfloat16).save_pretrained(path)
+            LlamaForCausalLM(config(name)).to(torch.bfloat16).save_pretrained(path)
     return str(path)
 
 
@@ -103,7 +104,8 @@ def stage(ctx: dict, rows, deadline: float) -> dict:
     model = model_dir(ctx["model"], ctx["workdir"])
     n, shape = parameters(ctx["model"]), MODELS[ctx["model"]]
     label = (f"{ctx['model']}: {n / 1e6:.1f}M parameters, {shape['num_attention_heads']} query / "
-             f"{shape['num_key_value_heads']} key-value heads; batch {ctx['batch_size']}")
+             f"{shape['num_key_value_heads']} key-value heads, {'bf16' if ctx['device'] == 'cuda' else 'fp32'}; "
+             f"batch {ctx['batch_size']}")
     runs: dict[str, dict] = {}
     for backend, why in _backends(ctx["device"]).items():
         if why is not None:
