@@ -38,6 +38,7 @@ import tempfile
 import torch
 
 from slipstream.cluster.worker import flags
+from slipstream.core_compile import BACKENDS
 from .report import emit, page, table
 from .workers.compile import BERT_SIZES, WORKLOADS
 
@@ -75,6 +76,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              + " (default mini: base's step takes ~10 s on 2 cores)")
     parser.add_argument("--seq-len", type=int, default=128, help="BERT tokens per sequence (default 128)")
     parser.add_argument("--llama-model", default="llama-20m", help="recipe model name (default llama-20m)")
+    parser.add_argument("--varlen-backend", default="auto", choices=["auto", *BACKENDS],
+                        help="llama's varlen attention backend, VarlenConfig.backend (default auto)")
     parser.add_argument("--data", help="alpaca-format JSON for llama (default: 1000 generated samples)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per model before it is killed")
@@ -91,6 +94,8 @@ def _command(args: argparse.Namespace) -> str:
     for model, names in (("resnet50", ("image_size", "resnet_width")), ("bert", ("bert_size", "seq_len")),
                          ("llama", ("llama_model", "data"))):
         parts += flags(args, *names) if model in models else []
+    if "llama" in models and args.varlen_backend != "auto":
+        parts += ["--varlen-backend", args.varlen_backend]
     return " ".join(parts)
 
 
@@ -100,7 +105,8 @@ def _job(args: argparse.Namespace, model: str, device: str) -> dict:
             "background": BACKGROUND[args.background], "threads": args.threads,
             "strategies": args.strategies.split(",") if args.strategies else None,
             "image_size": args.image_size, "resnet_width": args.resnet_width, "bert_size": args.bert_size,
-            "seq_len": args.seq_len, "llama_model": args.llama_model, "data": args.data}
+            "seq_len": args.seq_len, "llama_model": args.llama_model, "data": args.data,
+            "varlen_backend": args.varlen_backend}
 
 
 def _run_job(job: dict, tmp: str, timeout: float) -> dict:

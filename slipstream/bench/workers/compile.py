@@ -105,7 +105,7 @@ def _bert(job: dict, device: torch.device) -> Workload:
 def _llama(job: dict, device: torch.device) -> Workload:
     """The recipe's llama on alpaca samples, varlen pass + ``FlattenCollator`` (one packed row
     per step, its length changing every step), AdamW."""
-    from slipstream.core_compile import FlattenCollator, apply_varlen
+    from slipstream.core_compile import FlattenCollator, VarlenConfig, apply_varlen
     from slipstream.recipes import build_model, load_tokenizer
     from slipstream.recipes.alpaca import alpaca_samples
 
@@ -120,13 +120,17 @@ def _llama(job: dict, device: torch.device) -> Workload:
                 for k, v in collate(samples[i * b:(i + 1) * b]).items()} for i in range(n)]
     tokens = sorted(batch["input_ids"].shape[1] for batch in batches)
 
+    backend = job.get("varlen_backend", "auto")
+
     def make():
         model = build_model(job["llama_model"], vocab_size=max(8192, len(tokenizer)), seed=job["seed"],
                             pad_token_id=tokenizer.pad_token_id)
-        return apply_varlen(model.to(device).train())
+        return apply_varlen(model.to(device).train(), VarlenConfig(backend=backend))
 
-    return Workload(description=f"{job['llama_model']} (recipe model) with apply_varlen, FlattenCollator batches of "
-                                f"{b} alpaca samples ({'from ' + job['data'] if job['data'] else 'generated'})",
+    named = f" (backend {backend})" if backend != "auto" else ""
+    data = "from " + job["data"] if job["data"] else "generated"
+    return Workload(description=f"{job['llama_model']} (recipe model) with apply_varlen{named}, FlattenCollator "
+                                f"batches of {b} alpaca samples ({data})",
                     build=make, optimizer=lambda m: torch.optim.AdamW(m.parameters(), lr=1e-4), batches=batches,
                     loss=lambda m, batch: m(**batch).loss,
                     batch_shape=f"1 x {tokens[0]}..{tokens[-1]} tokens (median {tokens[len(tokens) // 2]})")
