@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 from slipstream.cluster.worker import run_worker
@@ -145,7 +146,10 @@ def compile_stage(ctx: dict, rows: Rows, deadline: float) -> dict:
     from .gpu_varlen import model_dir, parameters
 
     out = Path(ctx["workdir"]) / "compile.json"
-    argv = ["--models", "llama", "--llama-model", model_dir(ctx["model"], ctx["workdir"]), "--device", ctx["device"],
+    # sdpa: bench compile's llama trains in fp32, where flash and torch_varlen cannot run and
+    # flex would compile its kernels inside eager's steps
+    argv = ["--models", "llama", "--llama-model", model_dir(ctx["model"], ctx["workdir"]), "--varlen-backend", "sdpa",
+            "--device", ctx["device"],
             "--steps", str(ctx["compile_steps"]), "--batch-size", str(ctx["compile_batch"]),
             "--budget-s", str(ctx["compile_budget_s"]), "--timeout", f"{_left(deadline, 15):.0f}", "--json", str(out),
             *(["--threads", str(ctx["threads"])] if ctx["threads"] else [])]
@@ -153,8 +157,8 @@ def compile_stage(ctx: dict, rows: Rows, deadline: float) -> dict:
     bench_compile.add_arguments(parser)
     bench_compile.run(parser.parse_args(argv))
     (r,) = json.loads(out.read_text())
-    case = (f"{ctx['model']} ({parameters(ctx['model']) / 1e6:.1f}M, fp32) varlen, batch {ctx['compile_batch']}, "
-            f"told {ctx['compile_steps']} steps")
+    case = (f"{ctx['model']} ({parameters(ctx['model']) / 1e6:.1f}M, fp32), varlen sdpa, batch "
+            f"{ctx['compile_batch']}, told {ctx['compile_steps']} steps")
     if "error" in r:
         rows.add(case, "FAILED", r["error"].strip().splitlines()[-1][:300] if r["error"].strip() else "no output")
         return r
@@ -168,23 +172,40 @@ def compile_stage(ctx: dict, rows: Rows, deadline: float) -> dict:
 
 
 def pytest_stage(ctx: dict, rows: Rows, deadline: float) -> dict:
-    """``pytest -m gpu`` in the repository (on a dry run, the ``tests/test_gpu_*.py`` files)."""
+    """``pytest -m gpu`` in the repository (on a dry run, the ``tests/test_gpu_*.py`` files): its
+    summary line and the failed tests; past the stage's time, what ran and the test it stopped in."""
     tests = Path(ctx["repo"]) / "tests"
+    case = "pytest -m gpu" + (" (tests/test_gpu_*.py)" if ctx["dry_run"] else "")
     if not tests.is_dir():
-        rows.add("pytest -m gpu", "FAILED", f"no tests directory at {tests} (an installed copy, not a checkout)")
+        rows.add(case, "FAILED", f"no tests directory at {tests} (an installed copy, not a checkout)")
         return {}
     paths = sorted(str(p) for p in tests.glob("test_gpu_*.py")) if ctx["dry_run"] else [str(tests)]
-    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-rfE", "-p", "no:cacheprovider", *paths]
-    done = subprocess.run(cmd, cwd=ctx["repo"], capture_output=True, text=True, timeout=_left(deadline))
-    sys.stdout.write(done.stdout[-20000:] + done.stderr[-4000:])
-    lines = done.stdout.splitlines()
-    summary = next((line.strip("= ") for line in reversed(lines)
+    log, limit = Path(ctx["workdir"]) / "pytest.log", _left(deadline)
+    with open(log, "w") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "pytest", "-v", "-m", "gpu", "-rfE", "-p", "no:cacheprovider",
+                                 *paths], cwd=ctx["repo"], stdout=f, stderr=subprocess.STDOUT)
+        try:
+            code = proc.wait(timeout=limit)
+        except subprocess.TimeoutExpired:
+            proc.kill()  # its ranks, in this stage's session, go with the stage
+            proc.wait()
+            code = None
+    text = log.read_text(errors="replace")
+    sys.stdout.write(text[-20000:])
+    ran = re.findall(r"^(\S+::\S+) (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)", text, re.M)
+    failed = [test.split("/")[-1] for test, outcome in ran if outcome in ("FAILED", "ERROR")]
+    if code is None:
+        counts = ", ".join(f"{n} {o.lower()}" for o, n in sorted(Counter(o for _, o in ran).items()))
+        stuck = re.findall(r"^(\S+::\S+) *$", text, re.M)
+        rows.add(case, "FAILED", f"timed out after {limit:.0f} s; so far {counts or 'nothing'}"
+                                 + (f"; stopped in {stuck[-1]}" if stuck else "") + (f"; failed: {', '.join(failed)}"
+                                                                                      if failed else ""))
+        return {"returncode": None, "failed": failed}
+    summary = next((line.strip("= ") for line in reversed(text.splitlines())
                     if re.search(r"\d+ (passed|failed|skipped|deselected|errors?)|no tests ran", line)),
-                   f"exit code {done.returncode}, no summary line")
-    failed = [line.split(" - ")[0].removeprefix("FAILED ").removeprefix("ERROR ") for line in lines
-              if line.startswith(("FAILED ", "ERROR "))]
-    rows.add("pytest -m gpu" + (" (tests/test_gpu_*.py)" if ctx["dry_run"] else ""), summary, ", ".join(failed))
-    return {"returncode": done.returncode, "summary": summary, "failed": failed}
+                   f"exit code {code}, no summary line")
+    rows.add(case, summary, ", ".join(failed))
+    return {"returncode": code, "summary": summary, "failed": failed}
 
 
 def varlen(ctx: dict, rows: Rows, deadline: float) -> dict:
