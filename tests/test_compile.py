@@ -668,7 +668,7 @@ def test_a_dynamic_varlen_candidate_compiled_elsewhere_loads_every_graph_here_on
     batches = [collate([{"input_ids": torch.randint(1, 97, (n,), generator=g)} for n in lengths])
                for lengths in ((9, 4, 13), (6, 17, 2))]
     s = next(s for s in strategy.STRATEGIES if s.name == "inductor-dynamic")
-    pre = background.Prebuild.start(model, vars(model).get("forward"), s, (), batches[0], timeout_s=300, busy=True)
+    pre = background.Prebuild.start(model, vars(model).get("forward"), s, (), batches[0], limit_s=300, busy=True)
     assert isinstance(pre, background.Prebuild), pre
     deadline = time.monotonic() + 300
     while pre.poll() is None and time.monotonic() < deadline:

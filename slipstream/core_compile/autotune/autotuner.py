@@ -11,12 +11,14 @@ its length is known):
 2. then (by then it is known whether the batches change shape: if they do, static graphs are
    skipped and the default shape policy is measured as its dynamic variant) each candidate
    (``strategy.candidates``) whose expected compile time fits in what is left of the budget is
-   compiled (the graph breaks are listed before the first; regions are skipped once the whole
-   model compiled as one graph), checked against eager on the step's batch (``check.compare``:
-   loss and gradients), then runs ``warmup_steps`` steps. On the CPU (``background``) a process
-   of its own compiles and times it first while the steps run eagerly: one that lost there, or
-   cannot pay for itself in the steps left (``budget.cannot_pay``), is not compiled here; the
-   others' compile here loads inductor's kernels from the cache;
+   compiled (the graph breaks are listed before the first; regions are skipped once the whole model
+   compiled as one graph), checked against eager on the step's batch (``check.compare``: loss and
+   gradients), then runs ``warmup_steps`` steps. On the CPU (``background``) a process of its own
+   compiles and times it first while the steps run eagerly: one that lost there, or cannot pay for
+   itself in the steps left (``budget.cannot_pay``), is not compiled here; the others' compile here
+   loads inductor's kernels from the cache. A kernel search (max-autotune) runs only in such a
+   process, waited for if not beside training; one that outruns its share of the budget is killed
+   and its candidate abandoned (``bounded``);
 3. the survivors, eager included, take turns for up to ``measure_rounds`` rounds of timed
    steps (interleaved, so a slow spell hits all; a switch's first step is untimed); each step's time is
    divided by its batch's elements (lengths vary). From round two, a candidate the steps so far
@@ -84,7 +86,7 @@ class Autotuner:
         self.key: dict | None = None
         self.priors = budget.Priors()
         self.modules: dict[str, tuple] = {}  # name -> (scope, modules it compiles)
-        self.budget: float | None = None
+        self.budget, self.left = None, 0.0  # what the search may cost, and what was left at the last candidate
         self.probe: float | None = None  # start of an eager step that times eager before the search
         self.cold: str | None = None  # the candidate compiled first in this process
         self.listed = False
@@ -204,14 +206,17 @@ class Autotuner:
             return self._call("eager", args, kwargs)
         while self.pending:
             s = self.pending.popleft()
-            why = self._skip(s) or self._over_budget(s)
+            cand = self.by_name[s.name]
+            why = self._skip(s) or self.prebuilds.unbounded(s) or self._over_budget(s)
             if why:
-                self.prebuilds.stop(s.name)
-                self.by_name[s.name].status, self.by_name[s.name].reason = "skipped", why
+                cand.status, cand.reason = "skipped", why
+                self.prebuilds.abandon(cand, s.name)  # where its compile process runs beside training
                 continue
             unlisted = self.config.graph_breaks and not self.listed  # listed once a compile is worth its cost
             if s.name in self.prebuilds.beside and not self.prebuilds.ready(
-                    self.by_name[s.name], s, args, kwargs, self.budget, unlisted and self.report.graph_count is None):
+                    cand, s, args, kwargs, self.left, unlisted and self.report.graph_count is None):
+                if cand.status == "abandoned":  # outran its share: the search goes on without it
+                    continue
                 self.pending.appendleft(s)
                 if s.name in self.prebuilds.beside:  # compiling beside training: eager steps meanwhile
                     return self._call("eager", args, kwargs)
@@ -222,7 +227,7 @@ class Autotuner:
             why = self.prebuilds.lost.get(s.name) or budget.cannot_pay(  # timed beside training
                 self.prebuilds.timed.get(s.name), self.config.expected_steps, self.step, self.report.eager_step_s)
             if why:
-                self.by_name[s.name].status, self.by_name[s.name].reason = "skipped", why
+                cand.status, cand.reason = "skipped", why
                 continue
             ok = self._try(s, args, kwargs)
             if agree(self.group, [0.0 if ok else 1.0])[0] == 0.0:
@@ -231,8 +236,7 @@ class Autotuner:
                 self.active = s.name
                 return self._call(s.name, args, kwargs)
             if ok:  # it passed here but failed on another rank
-                self.by_name[s.name].status = "rejected"
-                self.by_name[s.name].reason = "failed its check on another rank"
+                cand.status, cand.reason = "rejected", "failed its check on another rank"
             self.built.pop(s.name, None)
         timed = [n for n in self.survivors if len(self.by_name[n].step_s) < self.config.measure_rounds]
         decided = False
@@ -268,21 +272,20 @@ class Autotuner:
 
     def _over_budget(self, s: strategy.Strategy) -> str | None:
         """Why ``s`` is not compiled: its expected compile time does not fit in what is left of
-        the budget (the ranks agree on the most any of them has spent and expects), or None."""
+        the budget (``left``; the ranks agree on the most any of them has spent and expects)."""
         if self.budget is None:
-            eager = agree(self.group, [self.report.eager_step_s or 0.0], mean=True)[0] or None
-            self.report.eager_step_s = eager
-            self.budget, self.report.budget_basis = budget.search_budget(self.config, eager)
+            self.report.eager_step_s = agree(self.group, [self.report.eager_step_s or 0.0], mean=True)[0] or None
+            self.budget, self.report.budget_basis = budget.search_budget(self.config, self.report.eager_step_s)
             self.report.budget_s = self.budget
         expected, source = self.prebuilds.cost(s, self.priors, self.modules[s.name][1],
                                                False if self.background else self.config.background)
         elapsed = time.perf_counter() - self.search_start
         spent, expected = agree(self.group, [elapsed - (self.step - 1) * (self.report.eager_step_s or 0.0), expected])
-        spent = max(spent, 0.0)
-        if spent + expected <= self.budget:
+        self.left = self.budget - max(spent, 0.0)  # the share of a compile process started now
+        if expected <= self.left:
             return None
-        return (f"expected compile {expected:.3g} s ({source}); {self.budget - min(spent, self.budget):.3g} s "
-                f"of the {self.budget:.3g} s budget left")
+        return (f"expected compile {expected:.3g} s ({source}); {max(self.left, 0.0):.3g} s of the "
+                f"{self.budget:.3g} s budget left")
 
     def _try(self, s: strategy.Strategy, args, kwargs) -> bool:
         """Compile ``s`` and check it against eager on this batch."""

@@ -38,12 +38,14 @@ import weakref
 
 import torch
 
+from . import bounded
+from ._prebuild import as_sent, autocast_state, forward_as
 from .agree import agree
 from .diagnose import GraphBreak
 from .strategy import Counter
 
-__all__ = ["CONTENTION", "MAX_MODEL_BYTES", "WARM_SHARE", "Prebuild", "Prebuilds", "as_received", "as_sent",
-           "expected_cost", "first_on_node", "wanted"]
+__all__ = ["CONTENTION", "KILL_WAIT_S", "MAX_MODEL_BYTES", "WAIT_POLL_S", "WARM_SHARE", "Prebuild", "Prebuilds",
+           "cannot_start", "expected_cost", "first_on_node", "wanted"]
 
 WARM_SHARE = 0.25
 """The training process's own compile of a candidate compiled beside it, as a share of a cold
@@ -59,6 +61,12 @@ spare (1 torch thread) the steps beside it kept their 0.30-0.32 s and the search
 against 27.9 s (benchmarks/results/compile-beside_epyc-2core-kvm_2026-11-26.md)."""
 MAX_MODEL_BYTES = 4 << 30
 """Models larger than this (parameters and buffers) are not copied to a compile process."""
+WAIT_POLL_S = 0.2
+"""How often the training process looks at a compile process it waits for (``Prebuilds.waited``):
+it is stopped at most this long after its share has run out."""
+KILL_WAIT_S = 10.0
+"""The longest wait for a killed compile process to be gone (one in the kernel's uninterruptible
+sleep, as in a device driver's call, is left to end by itself)."""
 
 
 def wanted(choice: bool | None, module: torch.nn.Module, device: torch.device, group=None) -> str | None:
@@ -68,6 +76,15 @@ def wanted(choice: bool | None, module: torch.nn.Module, device: torch.device, g
     why = _unwanted(choice, module, device)
     if agree(group, [float(why is not None)])[0] and why is None:
         return "off: not possible on another rank"
+    return why
+
+
+def cannot_start(module: torch.nn.Module, device: torch.device, group=None) -> str | None:
+    """Why no compile process can be started for ``module`` at all (``wanted``'s reasons less
+    the user's choice and the device's default), or None; the ranks agree."""
+    why = _unwanted(True, module, device)
+    if agree(group, [float(why is not None)])[0] and why is None:
+        return "not possible on another rank"
     return why
 
 
@@ -133,35 +150,39 @@ def _busy(device: torch.device) -> bool:
 
 
 class Prebuild:
-    """One candidate compiled in a process of its own; ``poll`` says when it is done."""
+    """One candidate compiled in a process of its own; ``poll`` says when it is done, and stops
+    it once it has outrun its share (``bounded``)."""
 
-    __slots__ = ("started", "took_s", "outcome", "polls", "result", "_proc", "_dir", "_finalizer",
-                 "__weakref__")
+    __slots__ = ("started", "took_s", "outcome", "outran", "polls", "result", "limit_s", "_proc", "_dir",
+                 "_finalizer", "__weakref__")
 
-    def __init__(self, proc: subprocess.Popen, directory: str) -> None:
+    def __init__(self, proc: subprocess.Popen, directory: str, limit_s: float) -> None:
         self.started = time.perf_counter()
         self.took_s: float | None = None  # seconds from start to done
         self.outcome: str | None = None  # "ready", or why not; None while running
+        self.outran: float | None = None  # where it was stopped for outrunning its share: its expected seconds
         self.polls = 0  # polls while it ran: the autotuner polls once a step
         self.result: dict = {}  # _prebuild's: graphs, and inductor graphs generated and loaded
+        self.limit_s = limit_s  # its share: the seconds it may run
         self._proc, self._dir = proc, directory
         self._finalizer = weakref.finalize(self, _stop, proc, directory)
 
     @classmethod
-    def start(cls, module: torch.nn.Module, forward, strategy, args, kwargs, timeout_s: float,
+    def start(cls, module: torch.nn.Module, forward, strategy, args, kwargs, limit_s: float,
               busy: bool, list_breaks: bool = False, timed: bool = False) -> "Prebuild | str":
         """Start compiling ``strategy`` on a copy of ``module`` whose ``forward`` is ``forward``
-        (the instance's own, None for the class's), or why it cannot be (a string). ``busy``:
-        training's threads take every core, so the compile takes one thread (inductor's default
-        is one per core). ``list_breaks``: list the graph breaks there first (``result``'s
-        ``graph_count`` and ``graph_breaks``), a dynamo trace the training loop then skips. ``timed``:
-        time eager and the candidate there (``result``'s ``timed``), unless ``busy``."""
+        (the instance's own, None for the class's), or why it cannot be (a string). ``limit_s``:
+        its share, the seconds it may run before it is stopped. ``busy``: training's threads take
+        every core, so the compile takes one thread (inductor's default is one per core).
+        ``list_breaks``: list the graph breaks there first (``result``'s ``graph_count`` and
+        ``graph_breaks``), a dynamo trace the training loop then skips. ``timed``: time eager and
+        the candidate there (``result``'s ``timed``), unless ``busy``."""
         directory = tempfile.mkdtemp(prefix=f"slipstream-prebuild-{os.getpid()}-")
         job = {"module": module, "strategy": strategy.name, "args": as_sent(args), "kwargs": as_sent(kwargs),
-               "threads": torch.get_num_threads(), "autocast": _autocast(), "timeout_s": timeout_s,
+               "threads": torch.get_num_threads(), "autocast": autocast_state(), "limit_s": limit_s,
                "list_breaks": list_breaks, "timed": timed and not busy}
         try:
-            with _forward_as(module, forward):
+            with forward_as(module, forward):
                 torch.save(job, os.path.join(directory, "job.pt"))
         except Exception as e:  # noqa: BLE001 - an unpicklable model is compiled here, as before
             shutil.rmtree(directory, ignore_errors=True)
@@ -170,27 +191,34 @@ class Prebuild:
         if busy:
             env["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
         with open(os.path.join(directory, "log"), "w") as log:
+            # a session of its own: its group holds what it starts (inductor's compile workers and
+            # autotuning processes), killed with it
             proc = subprocess.Popen([sys.executable, "-m", "slipstream.core_compile.autotune._prebuild", directory,
                                      str(os.getpid())],
                                     stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                                     start_new_session=True)
-        return cls(proc, directory)
+        return cls(proc, directory, limit_s)
 
     def poll(self) -> str | None:
-        """None while compiling; then "ready", or why it failed."""
+        """None while compiling; then "ready", or why not: stopped for outrunning its share
+        (``outran`` set), or failed."""
         if self.outcome is not None:
             return self.outcome
         done = os.path.join(self._dir, "done")  # written whole (renamed into place); the process then waits
+        elapsed = time.perf_counter() - self.started
         if os.path.exists(done):
             with open(done) as f:
                 self.result = json.load(f)
             self.outcome = "ready"
-        elif self._proc.poll() is not None:
-            self.outcome = f"the compile process failed (exit {self._proc.returncode}): {self._last_line()}"
+        elif stop := bounded.outran(elapsed, self.limit_s, bounded.read_progress(self._dir)):
+            self.outcome, self.outran = stop
+            self._finalizer()  # killed now: its share is spent
+        elif (code := _exit_status(self._proc)) is not None:
+            self.outcome = f"the compile process failed (exit {code}): {self._last_line()}"
         else:
             self.polls += 1
             return None
-        self.took_s = time.perf_counter() - self.started
+        self.took_s = elapsed
         return self.outcome
 
     def close(self) -> None:
@@ -217,9 +245,11 @@ class Prebuilds:
         self.group, self.module, self.forward = group, module, forward
         self.margin = margin  # min_speedup, to screen candidates by their timing there; None: no timing
         self.device = torch.device("cpu")  # the model's, set at the first step
-        self.beside: set = set()  # the candidates to compile beside training
+        self.beside: set = set()  # the candidates to compile in a compile process first
+        self.waited: set = set()  # those of them the training process waits for (the others: beside training)
         self.started: dict = {}  # name -> Prebuild, or why none runs here
         self.failed: set = set()  # compiled beside training without success: compiled here
+        self._unstartable: str | None | bool = False  # why no compile process can run, None if one can; False: unasked
         self.listing: tuple | None = None  # (graphs, breaks) listed by a compile process
         self.lost: dict = {}  # name -> why: not margin times faster than eager in its compile process
         self.timed: dict = {}  # name -> (eager's forward and backward over its, its compile s there)
@@ -228,7 +258,10 @@ class Prebuilds:
         """(seconds ``s`` is expected to cost training, where the figure comes from), given
         ``CompileConfig.background`` (``choice``; False where ``wanted`` said no). It is
         compiled beside training (``beside``) when ``choice`` is True, or when None and that
-        is expected to cost less than compiling here; the ranks agree.
+        is expected to cost less than compiling here; the ranks agree. Else a candidate that
+        searches kernels (``bounded.searches_kernels``) is compiled in a compile process the
+        training process waits for (``waited``), which its share bounds, then here from the
+        cache: its cold compile and its warm one; any other is compiled here.
 
         Dynamic shapes too: the compile process's batch has other lengths than the step's
         that compiles here, yet llama-20m varlen's inductor-dynamic loads both its graphs from
@@ -238,45 +271,81 @@ class Prebuilds:
         graph); its compile here took 61-75 s."""
         cold, source = priors.compile_s(s, modules, True)  # a compile process starts cold
         if s.name in self.started:
-            return cold * WARM_SHARE, f"{source}; its compile here after the one beside training"
+            return cold * WARM_SHARE, f"{source}; its compile here after the one in a compile process"
         here, source_here = priors.compile_s(s, modules, Counter.in_process == 0)
         beside = expected_cost(cold, self.device)
         worth = choice or (choice is None and beside < here)
-        if choice is False or s.name in self.failed or not agree(self.group, [float(worth)])[0]:
-            return here, source_here
-        self.beside.add(s.name)
-        return beside, f"{source}; compiled beside training, its cost to training"
+        if choice is not False and s.name not in self.failed and agree(self.group, [float(worth)])[0]:
+            self.beside.add(s.name)
+            return beside, f"{source}; compiled beside training, its cost to training"
+        if bounded.searches_kernels(s):
+            self.beside.add(s.name)
+            self.waited.add(s.name)
+            return cold * (1 + WARM_SHARE), f"{source}; in a compile process training waits for, then here"
+        return here, source_here
 
-    def ready(self, cand, s, args, kwargs, timeout_s: float, list_breaks: bool = False) -> bool:
+    def unbounded(self, s) -> str | None:
+        """Why ``s`` is not compiled at all: it searches kernels, which only a compile process can
+        stop (``bounded``), and none can run for this model (``cannot_start``; the ranks agree,
+        at the first such candidate)."""
+        if not bounded.searches_kernels(s):
+            return None
+        if self._unstartable is False:
+            self._unstartable = cannot_start(self.module, self.device, self.group)
+        if self._unstartable is None:
+            return None
+        return f"its kernel search runs only in a compile process, which can stop it; none can: {self._unstartable}"
+
+    def ready(self, cand, s, args, kwargs, limit_s: float, list_breaks: bool = False) -> bool:
         """Whether candidate ``cand`` (strategy ``s``) may compile in the training process now:
         once the ranks agree that every compile process of it is done (its outcome in
-        ``cand.beside``). The first call starts this node's, on this step's batch; with
-        ``list_breaks`` it lists the graph breaks too (``listing``, once it is done). Where one
-        failed, False, and ``s`` is no longer in ``beside``: the search weighs it again at its
-        cost here."""
-        if s.name not in self.started:
-            self.started[s.name] = (Prebuild.start(self.module, self.forward, s, args, kwargs, timeout_s,
-                                                   _busy(self.device), list_breaks, self.margin is not None)
-                                    if first_on_node() else "compiled beside training by the node's first rank")
+        ``cand.beside``). The first call starts this node's, on this step's batch, to run for
+        at most ``limit_s`` (its share); with ``list_breaks`` it lists the graph breaks too
+        (``listing``, once it is done). One in ``waited`` is waited for here, polled every
+        ``WAIT_POLL_S``; one beside training is polled once a call (a step). Where one failed,
+        False, and ``s`` is no longer in ``beside``: the search weighs it again at its cost here;
+        but where one outran its share, or failed while searching kernels, ``cand`` is marked
+        abandoned, never compiled here."""
+        waited = s.name in self.waited
+        where = "in a compile process training waited for" if waited else "beside training"
+        if s.name not in self.started:  # waited for: training leaves it every core
+            self.started[s.name] = (Prebuild.start(self.module, self.forward, s, args, kwargs, limit_s,
+                                                   _busy(self.device) and not waited, list_breaks,
+                                                   self.margin is not None)
+                                    if first_on_node() else f"compiled {where} by the node's first rank")
         pre = self.started[s.name]
-        running = isinstance(pre, Prebuild) and pre.poll() is None
-        failed = not running and (pre.outcome != "ready" if isinstance(pre, Prebuild) else first_on_node())
-        running, failed = agree(self.group, [float(running), float(failed)])
+        while True:  # bounded: the compile process is stopped once its share is spent (Prebuild.poll)
+            running = isinstance(pre, Prebuild) and pre.poll() is None
+            outran = (pre.outran or 0.0) if isinstance(pre, Prebuild) else 0.0
+            failed = not running and not outran and (pre.outcome != "ready" if isinstance(pre, Prebuild)
+                                                     else first_on_node())
+            running, failed, outran = agree(self.group, [float(running), float(failed), outran])
+            if not (running and waited):
+                break
+            time.sleep(WAIT_POLL_S)
         if running:
             return False
         if isinstance(pre, Prebuild):
             if "graph_count" in pre.result:
                 self.listing = pre.result["graph_count"], [GraphBreak(*b) for b in pre.result["graph_breaks"]]
             cand.background_s = pre.took_s
-            cand.beside = (f"compiled beside training first ({pre.took_s:.1f} s, {pre.result.get('generated')} "
-                           f"inductor graphs generated, {pre.result.get('loaded')} loaded from its cache; "
-                           f"{pre.polls} eager steps meanwhile)"
-                           if pre.outcome == "ready" else f"not compiled beside training: {pre.outcome}")
+            meanwhile = "" if waited else f"; {pre.polls} eager steps meanwhile"
+            cand.beside = (f"compiled {where} first ({pre.took_s:.1f} s, {pre.result.get('generated')} inductor "
+                           f"graphs generated, {pre.result.get('loaded')} loaded from its cache{meanwhile})"
+                           if pre.outcome == "ready" else f"not compiled {where}: {pre.outcome}")
         elif first_on_node():  # it could not start here
-            cand.beside = f"not compiled beside training: {pre}"
+            cand.beside = f"not compiled {where}: {pre}"
         else:
-            cand.beside = "not compiled beside training: it failed on another rank" if failed else pre
+            cand.beside = f"not compiled {where}: it failed on another rank" if failed else pre
         self.stop(s.name)
+        if outran or (failed and bounded.searches_kernels(s)):
+            self.beside.discard(s.name)
+            mine = isinstance(pre, Prebuild) and pre.outran is not None
+            cand.status, cand.outran_s = "abandoned", outran or None
+            cand.reason = (pre.outcome if mine else "its compile outran its share on another rank" if outran else
+                           "its compile process failed, and in the training process nothing could stop its kernel "
+                           "search")
+            return False
         if failed:
             self.beside.discard(s.name)
             self.failed.add(s.name)
@@ -306,6 +375,17 @@ class Prebuilds:
             self.lost[name] = (f"not {self.margin:g}x faster than eager's forward and backward in its compile "
                                f"process ({eager / compiled:.2f}x): not compiled in training")
 
+    def abandon(self, cand, name: str) -> None:
+        """Where ``name``'s compile process runs beside training, stop it and mark ``cand``, just
+        skipped, abandoned: the search's cost has reached its budget meanwhile (the cores the
+        process takes from training count), or its graph is no longer worth compiling."""
+        if name not in self.started:
+            return
+        self.stop(name)
+        pre = self.started[name]
+        cand.status, cand.reason = "abandoned", f"its compile process was stopped: {cand.reason}"
+        cand.outran_s = pre.took_s if isinstance(pre, Prebuild) else None
+
     def stop(self, name: str | None = None) -> None:
         """Stop ``name``'s compile process (None: every one)."""
         for n, pre in self.started.items():
@@ -313,63 +393,26 @@ class Prebuilds:
                 pre.close()
 
 
+def _exit_status(proc: subprocess.Popen) -> int | None:
+    """``proc``'s exit status (a signal's number negated), or None while it runs; it is not reaped
+    (``waitid``'s ``WNOWAIT``), so its group's id stays its own until ``_stop`` kills the group."""
+    if proc.returncode is not None:
+        return proc.returncode
+    try:
+        info = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:  # reaped already (SIGCHLD ignored): Popen's own account
+        return proc.poll()
+    if info is None:
+        return None
+    return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+
+
 def _stop(proc: subprocess.Popen, directory: str) -> None:
-    if proc.poll() is None:
+    """Kill the compile process's group, ended or not (what it started may outlive it), reap it,
+    and delete its files."""
+    if proc.returncode is None:  # not reaped: the group's id is still this process's
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=KILL_WAIT_S)
     shutil.rmtree(directory, ignore_errors=True)
-
-
-class _View:
-    """A view among the step's inputs, as its base and its geometry. A pickle keeps a view's
-    storage but not that it is a view, and dynamo names a view's sizes after its base's
-    (``L['input_ids']._base.size()[0]``): rebuilt as a view, the compile process's graphs
-    are named as the training process's, so found in the cache. A packed llama's row (made
-    by ``unsqueeze``) under inductor-dynamic: 0 of its 2 graphs found, else 2 of 2."""
-
-    def __init__(self, t: torch.Tensor) -> None:
-        self.base, self.geometry = t._base.detach(), (t.size(), t.stride(), t.storage_offset())
-
-    def tensor(self) -> torch.Tensor:
-        return self.base.as_strided(*self.geometry)
-
-
-def as_sent(tree):
-    """``tree`` (a step's ``args`` or ``kwargs``) with each view that needs no gradient as a
-    ``_View``, for the compile process (``as_received`` there)."""
-    from torch.utils._pytree import tree_map
-
-    return tree_map(lambda t: _View(t) if isinstance(t, torch.Tensor) and t._is_view() and not t.requires_grad
-                    else t, tree)
-
-
-def as_received(tree):
-    """``tree`` sent by ``as_sent``, its views views again."""
-    from torch.utils._pytree import tree_map
-
-    return tree_map(lambda x: x.tensor() if isinstance(x, _View) else x, tree)
-
-
-def _autocast() -> dict:
-    """The autocast state the step runs under, per device type (it shapes the traced graph)."""
-    return {d: torch.get_autocast_dtype(d) for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)}
-
-
-@contextlib.contextmanager
-def _forward_as(module: torch.nn.Module, forward):
-    """``module.forward`` is ``forward`` inside (None: the class's), the autotuner's wrapper put
-    back after: the copy is the model as it was before ``slipstream.compile``."""
-    had = "forward" in vars(module)
-    mine = vars(module).get("forward")
-    if forward is None:
-        vars(module).pop("forward", None)
-    else:
-        module.forward = forward
-    try:
-        yield
-    finally:
-        if had:
-            module.forward = mine
-        else:
-            vars(module).pop("forward", None)

@@ -9,9 +9,10 @@ expected to cost before it is compiled.
   slower candidate.
 - **The expected compile time** of a candidate, before it is compiled, from the first of:
   this model's own compile of that strategy on this machine (any batch shape, the ``family``
-  record); the seconds per compiled module of any model compiled on this machine (the
-  ``machine`` record); ``DEFAULT_S_PER_MODULE``. On these last two, the process's first
-  compile adds ``FIRST_COMPILE_S``. A candidate whose expected time does not fit in what is
+  record; for one abandoned there, what it was expected to take, ``bounded``); the seconds
+  per compiled module of any model compiled on this machine (the ``machine`` record);
+  ``DEFAULT_S_PER_MODULE``. On these last two, the process's first compile adds
+  ``FIRST_COMPILE_S``. A candidate whose expected time does not fit in what is
   left of the budget is skipped, saying so.
 - **The priors** from the family record: strategies that lost for this model on this machine
   are skipped; the last winner is measured first.
@@ -110,6 +111,8 @@ class Priors:
         """(expected seconds to compile and check ``s``, where the figure comes from). ``cold``:
         nothing compiled in this process yet (``FIRST_COMPILE_S`` more, on a per-module figure)."""
         seen = self.family.get(s.name, {})
+        if seen.get("compile_s") and seen.get("status") == "abandoned":
+            return seen["compile_s"], "this model's compile on this machine, abandoned before for outrunning its share"
         if seen.get("compile_s"):
             return seen["compile_s"], "this model's compile on this machine"
         if self.rates.get(s.scope):
@@ -156,9 +159,10 @@ def store_priors(directory: Path, key: dict, report, modules: dict, cold: str | 
     for c in report.candidates:
         if c.name == "eager" or c.status in ("pending", "skipped"):
             continue
-        # compiled beside training first: its compile process's time is the cold figure
-        priors.family[c.name] = {"compile_s": c.background_s or c.compile_s, "speedup": report.speedup(c.name),
-                                 "status": c.status}
+        # compiled beside training first: its compile process's time is the cold figure; abandoned, what
+        # it was expected to take
+        priors.family[c.name] = {"compile_s": c.outran_s or c.background_s or c.compile_s,
+                                 "speedup": report.speedup(c.name), "status": c.status}
         scope, n = modules.get(c.name, (None, 0))
         if c.status != "failed" and c.compile_s > 0 and n and c.name != cold and not c.background_s:
             priors.rates[scope] = (priors.rates.get(scope, []) + [c.compile_s / n])[-MACHINE_SAMPLES:]

@@ -103,7 +103,8 @@ def _whole(n) -> bool:
 class Candidate:
     name: str
     status: str = "pending"
-    """pending | measured | chosen | rejected | skipped | failed"""
+    """pending | measured | chosen | rejected | skipped | failed | abandoned (its compile process
+    outran its share of the budget, or failed while searching kernels: ``bounded``)"""
     reason: str = ""
     compile_s: float = 0.0
     graphs: int = 0
@@ -115,6 +116,9 @@ class Candidate:
     """Seconds its compile process took, when it was compiled beside training first."""
     beside: str = ""
     """How it was compiled beside training, or why it was not."""
+    outran_s: float | None = None
+    """Where it was abandoned for outrunning its share: the seconds its compile was expected to
+    take (those its process ran, or more where its kernel search's first shapes foretold more)."""
     score: float | None = None
     """What the choice compared: the median of ``step_s``, averaged over the ranks."""
 
@@ -238,7 +242,8 @@ class CompileReport:
             "graph_breaks": [{"reason": b.reason, "where": b.where} for b in self.graph_breaks],
             "recompiles": self.recompiles, "recompile_reasons": list(self.recompile_reasons),
             "candidates": [{"name": c.name, "status": c.status, "reason": c.reason, "compile_s": c.compile_s,
-                            "background_s": c.background_s, "beside": c.beside, "graphs": c.graphs,
+                            "background_s": c.background_s, "beside": c.beside, "outran_s": c.outran_s,
+                            "graphs": c.graphs,
                             "step_ms": self.step_ms(c.name),
                             "speedup": self.speedup(c.name)} for c in self.candidates],
         }

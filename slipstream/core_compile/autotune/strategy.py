@@ -114,11 +114,15 @@ class Counter:
         self.mode = mode
         self.graphs = 0
         self.seconds = 0.0
+        self.on_graph = None
+        """Called with each graph before it compiles (a compile process's ``bounded.Progress``)."""
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
         from torch._inductor import list_mode_options
         from torch._inductor.compile_fx import compile_fx
 
+        if self.on_graph is not None:
+            self.on_graph(gm)
         self.graphs += 1
         Counter.in_process += 1
         start = time.perf_counter()
