@@ -194,19 +194,16 @@ def _children_cpu_s() -> float:
 
 
 def _stop(proc: subprocess.Popen, sig: int) -> None:
-    """Send ``sig`` to ``proc``'s session (its process group); after SIGTERM, wait up to
-    ``_KILL_GRACE_S`` for the stage to unwind."""
+    """Send ``sig`` to ``proc``'s session (its process group) and wait up to ``_KILL_GRACE_S``
+    for the stage to go (after SIGKILL too: a process stuck in the GPU driver may never go)."""
     try:
         os.killpg(proc.pid, sig)
     except (ProcessLookupError, PermissionError):
         return
-    if sig == signal.SIGTERM:
-        try:
-            proc.wait(timeout=_KILL_GRACE_S)
-        except subprocess.TimeoutExpired:
-            pass
-    else:
-        proc.wait()
+    try:
+        proc.wait(timeout=_KILL_GRACE_S)
+    except subprocess.TimeoutExpired:
+        pass
 
 
 def _reason(log: str) -> str:
