@@ -31,6 +31,7 @@ def status() -> dict:
     """This process's view: switches, stacks, groups and their paths, per-collective counts,
     and every change slipstream made to other code (``patches``, with the part that made it)."""
     groups = [_describe(group, comm) for group, comm in pool.items()]
+    stayed = [{"ranks": group_ranks(group), "stays_stock": why} for group, why in pool.stayed()]
     stacks = record.stacks()
     world = dist.get_backend_config() if dist.is_initialized() else None
     named = "slipstream named as the backend" if world and "slipstream" in world else None
@@ -45,6 +46,7 @@ def status() -> dict:
         "world_backend": world,
         "stacks": stacks,
         "groups": groups,
+        "groups_left_stock": stayed,
         "collectives": counters.snapshot(),
         "patches": patch.patches(),
         "warnings": record.warnings(),
@@ -63,10 +65,13 @@ def line(st: dict | None = None) -> str:
     for g in st["groups"]:
         what = "+".join(g["paths"]) if g["paths"] else f"stock ({g['stock_because']})"
         parts.append(f"group of {len(g['ranks'])} ranks on {g['nodes']} node(s): {what}")
+    for g in st.get("groups_left_stock", ()):
+        parts.append(f"group of {len(g['ranks'])} ranks: " + ", ".join(
+            f"{device} calls stay stock ({why})" for device, why in sorted(g["stays_stock"].items())))
     routed = {k: sorted(v) for k, v in st["collectives"].items()}
     if routed:
         parts.append("calls so far " + " ".join(f"{k}:{'/'.join(v)}" for k, v in routed.items()))
-    if st["groups"] or st["stacks"]:
+    if st["groups"] or st["stacks"] or st.get("groups_left_stock"):
         parts.append("everything else stock (broadcast, send/recv, all_to_all, object collectives)")
     return "; ".join(parts)
 
@@ -90,8 +95,8 @@ def _describe(group, comm) -> dict:
         if comm.wire is not None:
             paths.append(f"{comm.config.wire} across nodes from {comm.config.wire_min_bytes} bytes "
                          "(float reductions and all-gathers; lossy)")
-    if comm.config.cuda_staging and torch.cuda.is_available():
-        paths.append("cuda staging")
+    if torch.cuda.is_available() and pool.decide(group, "cuda", torch.float32) is None:
+        paths.append("cuda staging")  # CUDA tensors through pinned host memory (no NCCL on the group)
     topo = comm.topology
     return {"ranks": group_ranks(comm.group), "nodes": topo.num_nodes, "ranks_per_node": topo.local_size,
             "paths": paths, "stock_because": comm.unavailable or None,

@@ -259,7 +259,7 @@ def _route(kind="all_reduce", tensor=None, op=ReduceOp.SUM, plan=None, one_per_n
     from slipstream.core_comm.routing import route
 
     tensor = torch.ones(1000) if tensor is None else tensor
-    return route(kind, tensor, op, world=4, config=CommConfig(**config), nccl=False, plan=plan,
+    return route(kind, tensor, op, world=4, config=CommConfig(**config), backend="gloo", plan=plan,
                  hierarchical=True, intra=not one_per_node, unavailable="", one_per_node=one_per_node)[0]
 
 
@@ -268,11 +268,11 @@ def test_the_rule_refuses_what_no_fast_path_computes_before_any_communicator():
     from slipstream.core_comm.routing import refusal
 
     config = CommConfig()
-    assert refusal(torch.ones(4), config=config, nccl=False) is None
-    assert "dtype" in refusal(torch.ones(4, dtype=torch.complex64), config=config, nccl=False)
-    assert "AVG" in refusal(torch.ones(4, dtype=torch.int32), ReduceOp.AVG, config=config, nccl=False)
-    assert "disabled" in refusal(torch.ones(4), config=CommConfig(shm=False), nccl=False)
-    assert "layout" in refusal(torch.ones(4).to_sparse(), config=config, nccl=False)
+    assert refusal(torch.ones(4), config=config, backend="gloo") is None
+    assert "dtype" in refusal(torch.ones(4, dtype=torch.complex64), config=config, backend="gloo")
+    assert "AVG" in refusal(torch.ones(4, dtype=torch.int32), ReduceOp.AVG, config=config, backend="gloo")
+    assert "disabled" in refusal(torch.ones(4), config=CommConfig(shm=False), backend="gloo")
+    assert "layout" in refusal(torch.ones(4).to_sparse(), config=config, backend="gloo")
 
 
 def test_a_size_sends_a_call_to_stock_only_where_stock_computes_the_same_numbers():

@@ -40,8 +40,7 @@ def _fast_paths(comm: Communicator) -> dict:
     conn_why = ((hier_why or "no inter-node path") if comm.hier is None
                 else "connections=1 (SLIPSTREAM_CONNECTIONS)" if cfg.connections == 1 else "")
     staging_why = ("no CUDA device" if not torch.cuda.is_available()
-                   else "disabled (SLIPSTREAM_CUDA_STAGING=0)" if not cfg.cuda_staging
-                   else "the group has NCCL" if "nccl" in str(dist.get_backend(comm.group)) else off)
+                   else off or pool.decide(None, "cuda", torch.float32, config=cfg) or "")
     return {
         "shm": {"active": comm.shm is not None, "why_not": shm_why},
         "cuda_staging": {"active": not staging_why, "why_not": staging_why},

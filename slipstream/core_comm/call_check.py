@@ -6,17 +6,21 @@ one whose call takes the fast path both reach it: a disagreement across paths is
 Each rank writes its call under the check's sequence number and waits, within the group's
 deadline, for every rank's entry (naming a rank whose entry does not come). A rank deletes its
 previous entry once every rank has written the next one, so the store holds at most two each.
+
+``with_first_failure``, always on, names the job's first failure in a later rank's error, through
+the default store too.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import threading
 from datetime import timedelta
 
 import torch.distributed as dist
 
-__all__ = ["CallCheck", "CollectiveMismatch", "checked"]
+__all__ = ["CallCheck", "CollectiveMismatch", "checked", "with_first_failure"]
 
 # Set while the backend, having checked a call, hands it to the communicator.
 _CHECKED: contextvars.ContextVar[bool] = contextvars.ContextVar("slipstream_call_checked", default=False)
@@ -82,3 +86,38 @@ class CallCheck:
             return [r for r, k in enumerate(keys) if not self.store.check([k])]
         except Exception:  # noqa: BLE001
             return []
+
+
+_FIRST_FAILURE = "slipstream-first-failure"
+
+
+def with_first_failure(error: Exception, within_s: float = 1.0) -> Exception:
+    """``error``, naming the job's first failure when another rank's came first. A failure
+    cascades (rank 3 dies; its node peer rank 2 raises and exits; rank 0 then loses its
+    connection to rank 2), so each rank records its error in the default store, first writer
+    wins, and a later one names the first: rank 0's error then says rank 3 died. The store
+    gets ``within_s`` seconds: a store across a link that is down would hold the error back
+    for as long as the link stays down, so without an answer the error goes as it is."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001 - no default group: the error as it is
+        return error
+    mine = f"global rank {dist.get_rank()}: {error}"
+    answer: list = []
+
+    def record() -> None:
+        try:
+            answer.append(store.compare_set(_FIRST_FAILURE, "", mine).decode())
+        except Exception:  # noqa: BLE001 - the store's host is gone: no answer
+            pass
+
+    asking = threading.Thread(target=record, name="slipstream-first-failure", daemon=True)
+    asking.start()
+    asking.join(within_s)
+    first = answer[0] if answer else ""
+    if first == mine or not first:
+        return error
+    try:
+        return type(error)(f"{error} (the first failure in the job, on {first})")
+    except Exception:  # noqa: BLE001 - an error type that takes other arguments
+        return RuntimeError(f"{error} (the first failure in the job, on {first})")

@@ -9,7 +9,6 @@ run as one operation over one flat buffer. Every call is counted under its path 
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from datetime import timedelta
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -20,7 +19,7 @@ import torch.distributed as dist
 
 from . import counters
 from ._compat import all_gather_into_tensor, reduce_scatter_tensor
-from .call_check import CallCheck
+from .call_check import CallCheck, with_first_failure
 from .collectives.cma import CmaComm
 from .collectives.hierarchical import Hierarchical
 from .collectives.shm import ShmComm, ShmError, check_sizes, is_supported_platform
@@ -28,6 +27,7 @@ from .collectives.staging import CudaStaging
 from .config import CommConfig
 from .groups import group_ranks, node_subgroups, release_groups
 from .ops import describe, split_op
+from . import routing
 from .routing import Choice, Plan, route, use_cma, wire_format
 from .topology import Topology, detect_topology
 from .transport.gloo import GlooInter
@@ -45,7 +45,7 @@ class Communicator:
 
     __slots__ = ("group", "config", "plan", "rank", "world", "topology", "checker",
                  "shm", "cma", "hier", "wire", "unavailable",  # built algorithms, and why the others are not
-                 "_subgroups", "_one_per_node", "_staging", "_executor", "_last")
+                 "_subgroups", "_one_per_node", "_backends", "_staging", "_executor", "_last")
 
     def __init__(self, group: dist.ProcessGroup | None = None, *, config: CommConfig | None = None,
                  topology: Topology | None = None, plan: Plan | None = None, checker: CallCheck | None = None) -> None:
@@ -66,6 +66,8 @@ class Communicator:
         """The gloo groups ``_build`` made (inside the node, across the nodes), destroyed on close."""
         self.unavailable = self._build()
         self._one_per_node = self.hier is not None and self.topology.local_size == 1  # read on every call
+        self._backends: dict = {}
+        """device type -> the backend that serves it on the group (``routing.backend_of``)."""
         self._staging: dict = {}
         self._executor: ThreadPoolExecutor | None = None
         self._last: Future | None = None
@@ -132,8 +134,11 @@ class Communicator:
 
     def _route(self, kind: str, tensor: torch.Tensor, op) -> tuple[str, str, Choice | None]:
         """``(algorithm, reason, the plan's choice)`` by the core's rule (``routing.route``)."""
-        nccl = tensor.device.type == "cuda" and "nccl" in str(dist.get_backend(self.group))
-        return route(kind, tensor, op, world=self.world, config=self.config, nccl=nccl, plan=self.plan,
+        device = tensor.device.type
+        if device not in self._backends:
+            self._backends[device] = routing.backend_of(self.group, device)
+        return route(kind, tensor, op, world=self.world, config=self.config, backend=self._backends[device],
+                     plan=self.plan,
                      hierarchical=self.hier is not None, intra=self.shm is not None, unavailable=self.unavailable,
                      one_per_node=self._one_per_node)
 
@@ -172,7 +177,7 @@ class Communicator:
                 work = dist.all_reduce(dense, op=op, group=self.group, async_op=async_op)
                 return _stock(work, dense, tensor, issued)
             chunk = choice.chunk_bytes if choice is not None else None
-            return self._run(lambda: self._all_reduce(algo, tensor, op, chunk, lossy), async_op)
+            return self._run(lambda: self._all_reduce(algo, tensor, op, chunk, lossy), async_op, tensor.device)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op=ReduceOp.SUM,
                        async_op: bool = False, valid: list[int] | None = None):
@@ -203,7 +208,8 @@ class Communicator:
                 else:
                     work = reduce_scatter_tensor(dense, _dense(input), op=op, group=self.group, async_op=async_op)
                 return _stock(work, dense, output, issued)
-            return self._run(lambda: self._resize(kind, algo, output, input, op, valid, lossy), async_op)
+            return self._run(lambda: self._resize(kind, algo, output, input, op, valid, lossy), async_op,
+                             input.device)
 
     def _count_stock_link(self, kind: str, nbytes: int) -> None:
         """With one rank per node, what a stock ``kind`` of a whole buffer of ``nbytes`` sends
@@ -257,17 +263,20 @@ class Communicator:
             return None
         return Work.after(work, finish)
 
-    def _run(self, fn, async_op: bool):
+    def _run(self, fn, async_op: bool, device: torch.device):
         """Run ``fn`` now, or on the worker thread (``async_op``). A collective reduces values,
         as gloo's does: outside autograd, also for a tensor that requires grad (DDP under
-        ``backward(create_graph=True)``), where an ``out=`` reduction would raise."""
+        ``backward(create_graph=True)``), where an ``out=`` reduction would raise. A CUDA
+        call on the worker runs on the stream current where it was issued, so that its copies
+        follow the work that wrote its input, and the staged path finishes them before the
+        call's ``Work`` completes (``collectives/staging.py``)."""
 
         def values_only() -> None:
             try:
                 with torch.no_grad():
                     fn()
             except Exception as e:  # noqa: BLE001 - re-raised with the job's first failure
-                raise _with_first_failure(e, within_s=min(1.0, 0.1 * self.config.timeout_s)) from e
+                raise with_first_failure(e, within_s=min(1.0, 0.1 * self.config.timeout_s)) from e
 
         issued = time.perf_counter()
         if not async_op:
@@ -280,9 +289,15 @@ class Communicator:
                 counters.timeline.blocked(issued, done)
             return None
 
+        stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+
         def in_flight() -> None:
             try:
-                values_only()
+                if stream is None:
+                    values_only()
+                else:
+                    with torch.cuda.stream(stream):
+                        values_only()
             finally:
                 counters.timeline.flight(issued, time.perf_counter())
 
@@ -366,41 +381,6 @@ class Communicator:
         return self._staging[device]
 
 
-_FIRST_FAILURE = "slipstream-first-failure"
-
-
-def _with_first_failure(error: Exception, within_s: float = 1.0) -> Exception:
-    """``error``, naming the job's first failure when another rank's came first. A failure
-    cascades (rank 3 dies; its node peer rank 2 raises and exits; rank 0 then loses its
-    connection to rank 2), so each rank records its error in the default store, first writer
-    wins, and a later one names the first: rank 0's error then says rank 3 died. The store
-    gets ``within_s`` seconds: a store across a link that is down would hold the error back
-    for as long as the link stays down, so without an answer the error goes as it is."""
-    try:
-        store = dist.distributed_c10d._get_default_store()
-    except Exception:  # noqa: BLE001 - no default group: the error as it is
-        return error
-    mine = f"global rank {dist.get_rank()}: {error}"
-    answer: list = []
-
-    def record() -> None:
-        try:
-            answer.append(store.compare_set(_FIRST_FAILURE, "", mine).decode())
-        except Exception:  # noqa: BLE001 - the store's host is gone: no answer
-            pass
-
-    asking = threading.Thread(target=record, name="slipstream-first-failure", daemon=True)
-    asking.start()
-    asking.join(within_s)
-    first = answer[0] if answer else ""
-    if first == mine or not first:
-        return error
-    try:
-        return type(error)(f"{error} (the first failure in the job, on {first})")
-    except Exception:  # noqa: BLE001 - an error type that takes other arguments
-        return RuntimeError(f"{error} (the first failure in the job, on {first})")
-
-
 def _dense(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor``, or a contiguous copy: gloo reduces a strided tensor's storage as if it were
     contiguous, a wrong answer."""
@@ -409,7 +389,9 @@ def _dense(tensor: torch.Tensor) -> torch.Tensor:
 
 def _stock(work: dist.Work | None, dense: torch.Tensor, output: torch.Tensor, issued: float) -> Work | None:
     """A stock collective's handle as the core's ``Work`` (None for a synchronous call), its
-    ``dense`` result copied into ``output`` when they differ; in flight from ``issued``."""
+    ``dense`` result copied into ``output`` when they differ; in flight from ``issued``. For
+    device tensors the Work completes through the stock ``wait()`` on the waiting thread (a
+    future of NCCL's completes when the kernel is queued, not when the data is there)."""
     def back() -> None:
         if dense is not output:
             output.copy_(dense)
@@ -419,7 +401,7 @@ def _stock(work: dist.Work | None, dense: torch.Tensor, output: torch.Tensor, is
         back()
         counters.timeline.blocked(issued, time.perf_counter())
         return None
-    return Work.after(work, back)
+    return Work.after(work, back, on_wait=output.device.type != "cpu")
 
 
 def _check_coalesced(kind: str, tensors: list, outputs: list | None = None, world: int = 0) -> None:

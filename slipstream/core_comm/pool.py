@@ -1,9 +1,15 @@
 """One communicator per process group, for every entry point: the backend, the DDP hook, the
 adapters' stand-ins.
 
+    comm = pool.for_call(group, tensor, op, kind="all_reduce")   # None: the group's own collective
     comm = pool.get(group)               # collective on first use: every member calls it
     pool.close(group)                    # that group's communicator only
     pool.on_build(listener)              # listener(group, comm) after each communicator is built
+
+``for_call`` is how an entry point asks the routing decision (``routing.decide``) before it
+touches a communicator: a call the decision leaves to the group's own collective (a CUDA
+tensor on NCCL) builds nothing, and the pool keeps, per group and device, why it stayed
+(``stayed``, read by ``slipstream.status()``).
 
 A communicator is built on the first ``get`` of its group (a collective: node subgroups,
 shared memory, the tuner's plan) and kept until ``close(group)`` or until torch forgets the
@@ -23,13 +29,15 @@ import logging
 import threading
 from typing import Callable
 
+import torch
 import torch.distributed as dist
 
+from . import counters, routing
 from .communicator import Communicator
 from .config import CommConfig
 from .groups import release_groups
 
-__all__ = ["CommunicatorPool", "close", "close_all", "get", "items", "on_build", "peek"]
+__all__ = ["CommunicatorPool", "close", "close_all", "decide", "for_call", "get", "items", "on_build", "peek", "stayed"]
 
 log = logging.getLogger("slipstream.comm")
 
@@ -37,11 +45,13 @@ log = logging.getLogger("slipstream.comm")
 class CommunicatorPool:
     """Communicators by process group (None: WORLD)."""
 
-    __slots__ = ("_comms", "_asked", "_warned", "_lock", "_exit_hook", "_listeners")
+    __slots__ = ("_comms", "_asked", "_warned", "_lock", "_exit_hook", "_listeners", "_decided", "_stayed")
 
     def __init__(self) -> None:
         self._comms: dict = {}  # group -> Communicator
         self._asked: dict = {}  # group -> the config it was built for (a tuner plan may adjust it)
+        self._decided: dict = {}  # (group, device type) -> (backend, the settings decided with)
+        self._stayed: dict = {}  # group -> {device type: why its calls stay the group's own}
         self._warned: set = set()  # (group, config) pairs already warned about
         self._lock = threading.RLock()
         self._exit_hook = False
@@ -76,6 +86,45 @@ class CommunicatorPool:
             listener(key, comm)
         return comm
 
+    def decide(self, group, device_type: str, dtype, op=dist.ReduceOp.SUM, *,
+               config: CommConfig | None = None) -> str | None:
+        """``routing.decide`` for a call on ``group`` (None: WORLD): None when the core takes it,
+        else why it stays the group's own collective. The group's backend for the device and
+        its settings (``config``; None: the built communicator's, else ``CommConfig.default()``)
+        are read once per (group, device type); a reason that holds for every call of the
+        device (its backend's) is kept for ``stayed``. Local: builds nothing."""
+        key = _key(group)
+        with self._lock:
+            known = self._decided.get((key, device_type))
+            if known is None:
+                comm = self._comms.get(key)
+                settings = comm.config if comm is not None else config if config is not None else CommConfig.default()
+                known = self._decided[key, device_type] = (routing.backend_of(key, device_type), settings)
+            backend, settings = known
+            why = routing.decide(device_type, backend, op, dtype, config=settings)
+            if why is not None and routing.decide(device_type, backend, dist.ReduceOp.SUM, _PLAIN,
+                                                  config=settings) is not None:
+                self._stayed.setdefault(key, {})[device_type] = why
+        return why
+
+    def for_call(self, group, tensor, op=dist.ReduceOp.SUM, *, kind: str, nbytes: int | None = None,
+                 config: CommConfig | None = None) -> Communicator | None:
+        """The communicator of ``group`` for ``kind`` of ``tensor`` with ``op`` (an all-gather:
+        its input) when the routing decision (``decide``) gives the call to the core, built on
+        the first such call (a collective: every rank decides alike); None when the call stays
+        the group's own collective, counted under ``stock`` with ``nbytes`` (None: the
+        tensor's). The caller then makes the stock call and hands back its ``Work`` as it is."""
+        if self.decide(group, tensor.device.type, tensor.dtype, op, config=config) is None:
+            return self.get(group, config=config)
+        counters.count(kind, "stock", tensor.numel() * tensor.element_size() if nbytes is None else nbytes)
+        return None
+
+    def stayed(self) -> list:
+        """``(group, {device type: why})`` of the live groups whose calls of some device stay
+        the group's own (a CUDA tensor on NCCL), whether or not a communicator was built."""
+        with self._lock:
+            return [(g, dict(why)) for g, why in self._stayed.items() if _alive(g)]
+
     def on_build(self, listener: Callable) -> None:
         """Call ``listener(group, communicator)`` after each communicator is built."""
         with self._lock:
@@ -94,17 +143,30 @@ class CommunicatorPool:
 
     def close(self, group: dist.ProcessGroup | None = None) -> None:
         """Close ``group``'s communicator (finishing its pending calls); others stay."""
+        key = _key(group)
         with self._lock:
-            comm = self._comms.pop(_key(group), None)
-            self._asked.pop(_key(group), None)
+            comm = self._comms.pop(key, None)
+            self._asked.pop(key, None)
+            self._forget(key)
         if comm is not None:
             _close(_key(group), comm)
 
     def close_all(self) -> None:
         with self._lock:
             comms, self._comms, self._asked = list(self._comms.items()), {}, {}
+            self._decided, self._stayed = {}, {}
         for key, comm in comms:
             _close(key, comm)
+
+
+    def _forget(self, key) -> None:
+        """Drop what was decided for ``key`` (the lock held)."""
+        self._stayed.pop(key, None)
+        for entry in [k for k in self._decided if k[0] is key]:
+            del self._decided[entry]
+
+
+_PLAIN = torch.float32  # a dtype and op every path reduces: what fails with them is the group's, not the call's
 
 
 def _close(key, comm: Communicator) -> None:
@@ -147,6 +209,9 @@ def _build(group, config: CommConfig | None) -> Communicator:
 # The process's pool: a communicator belongs to its group, and a group to the process.
 _POOL = CommunicatorPool()
 get = _POOL.get
+for_call = _POOL.for_call
+decide = _POOL.decide
+stayed = _POOL.stayed
 peek = _POOL.peek
 items = _POOL.items
 close = _POOL.close

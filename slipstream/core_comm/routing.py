@@ -7,13 +7,20 @@
     staged        CUDA tensors on a group without NCCL: pinned host memory, then the above
     stock         everything else: the group's own collective
 
-``refusal`` needs no communicator: it judges what every rank of a correct program passes alike
-(device, dtype, op, layout) and the group's settings; the backend asks it before building a
-communicator (a collective), the communicator first on every call. ``route`` needs the built
-communicator: its topology, the paths it built, and its plan's choice for the call's size (the
-tuner's measured plan where one is cached; the cost model ``tuner.model_plan``, whose size
-thresholds are ``STOCK_BELOW_BYTES``, is what ``slipstream env`` and ``tune`` start from). All
-of it is what every rank sees alike, so all ranks route a call the same way.
+It is decided in two parts, both from what every rank of a correct program passes alike, so
+all ranks route a call the same way:
+
+- ``decide`` needs no communicator: a pure function of the call's device type, the backend
+  that serves that device on the group (``backend_of``), the op and the dtype, with the
+  group's settings. Every entry point asks it before it builds or uses a communicator (the
+  backend, the pool's ``for_call``, the DDP hook, the adapters): a CUDA tensor on a group with
+  NCCL goes to the stack's own path, unchanged, its stock ``Work`` handed back as it is, and no
+  communicator (shared memory, probes, object collectives) is built for that group. ``refusal``
+  adds what only the tensors show (layout, one device for all).
+- ``route`` needs the built communicator: its topology, the paths it built, and its plan's
+  choice for the call's size (the tuner's measured plan where one is cached; the cost model
+  ``tuner.model_plan``, whose size thresholds are ``STOCK_BELOW_BYTES``, is what ``slipstream
+  env`` and ``tune`` start from).
 """
 
 from __future__ import annotations
@@ -27,8 +34,8 @@ import torch.distributed as dist
 from .ops import cannot_reduce, split_op
 from .transport.codec import CODECS
 
-__all__ = ["CMA_FROM_BYTES", "ONE_PER_NODE_STOCK_BELOW_BYTES", "STOCK_BELOW_BYTES", "Choice", "Plan", "refusal",
-           "route", "use_cma", "wire_format"]
+__all__ = ["CMA_FROM_BYTES", "DEVICE_LIBRARIES", "ONE_PER_NODE_STOCK_BELOW_BYTES", "STAGED_OVER",
+           "STOCK_BELOW_BYTES", "Choice", "Plan", "backend_of", "decide", "refusal", "route", "use_cma", "wire_format"]
 
 ReduceOp = dist.ReduceOp
 
@@ -81,41 +88,86 @@ class Plan(Protocol):
     def choose(self, kind: str, nbytes: int, dtype: torch.dtype) -> Choice | None: ...
 
 
-def refusal(tensor: torch.Tensor, op=ReduceOp.SUM, others=(), *, config, nccl: bool) -> str | None:
-    """Why a collective of ``tensor`` (and ``others``, e.g. its output) with ``op`` cannot take
-    a fast path on a group with settings ``config`` (``nccl``: the group has NCCL for CUDA
-    tensors), or None."""
-    if tensor.device.type == "cuda":
-        if nccl:
-            return "CUDA tensor on a group with NCCL"  # NCCL beats staging through host memory
+DEVICE_LIBRARIES = frozenset({"nccl", "xccl", "hccl"})
+"""Backends that are a device's own collective library: they move device tensors device to
+device over the device's links, which no staging through host memory beats. A call on one of
+them is the stack's own, whatever the tensor."""
+
+STAGED_OVER = frozenset({"gloo", "slipstream"})
+"""The backends over which the core takes CUDA tensors (staged through pinned host memory):
+the host-memory ones. Any other backend serving CUDA tensors (NCCL, an MPI or UCC built for
+CUDA) keeps them."""
+
+
+def backend_of(group, device_type: str) -> str | None:
+    """The backend that serves ``device_type`` tensors on ``group`` (None: WORLD), as torch's
+    backend config names it (``"cpu:gloo,cuda:nccl"`` gives ``gloo`` for cpu); None when the
+    group has no backend for that device. A group of the ``slipstream`` backend answers for
+    itself (``device_backend``: NCCL for CUDA tensors where it built one)."""
+    own = getattr(group, "device_backend", None)
+    if own is not None:
+        return own(device_type)
+    try:
+        config = dist.get_backend_config(group)
+    except (RuntimeError, ValueError):  # not a group torch knows: nothing serves it
+        return None
+    served = dict(part.split(":", 1) for part in str(config).split(",") if ":" in part)
+    return served.get(device_type)
+
+
+def decide(device_type: str, backend: str | None, op, dtype: torch.dtype, *, config) -> str | None:
+    """The routing decision that needs no communicator: None when the core may take a
+    collective of a ``dtype`` tensor on ``device_type`` with ``op`` (an all-gather: SUM, as
+    the core moves what it reduces) on a group whose ``device_type`` tensors go to
+    ``backend`` (``backend_of``), with settings ``config``; else why the call stays the
+    group's own. Pure: the same inputs give the same answer on every rank. The call's size
+    and the group's topology decide the rest, once a communicator exists (``route``)."""
+    if backend is None:
+        return f"the group has no backend for {device_type} tensors"
+    if backend in DEVICE_LIBRARIES:
+        return f"{device_type} tensors on {backend}: the stack's own collective"
+    if device_type == "cuda":
+        if backend not in STAGED_OVER:
+            return f"CUDA tensors on {backend}: the stack's own collective"
         if not config.cuda_staging:
             return "CUDA staging is disabled"
+    elif device_type != "cpu":
+        return f"device {device_type} is not supported"
     if not config.shm:
         return "shared memory is disabled (SLIPSTREAM_SHM=0)"
-    if tensor.device.type not in ("cpu", "cuda"):
-        return f"device {tensor.device} is not supported"
+    base, factor = split_op(op)
+    if factor is not None and not dtype.is_floating_point:
+        return f"PREMUL_SUM of {dtype} is not defined"
+    return cannot_reduce(dtype, base)
+
+
+def refusal(tensor: torch.Tensor, op=ReduceOp.SUM, others=(), *, config, backend: str | None) -> str | None:
+    """Why a collective of ``tensor`` (and ``others``, e.g. its output) with ``op`` cannot take
+    a fast path on a group whose tensors of this device go to ``backend``, with settings
+    ``config``, or None: ``decide``, then what only the tensors show."""
+    why = decide(tensor.device.type, backend, op, tensor.dtype, config=config)
+    if why:
+        return why
     for t in (tensor, *others):
         if t.layout != torch.strided:
             return f"layout {t.layout} is not supported"
         if t.device != tensor.device:
             return f"tensors on different devices: {tensor.device} and {t.device}"
-    base, factor = split_op(op)
-    if factor is not None and not tensor.dtype.is_floating_point:
-        return f"PREMUL_SUM of {tensor.dtype} is not defined"
-    return cannot_reduce(tensor.dtype, base)
+    return None
 
 
-def route(kind: str, tensor: torch.Tensor, op, *, world: int, config, nccl: bool, plan: Plan | None,
+def route(kind: str, tensor: torch.Tensor, op, *, world: int, config, backend: str | None, plan: Plan | None,
           hierarchical: bool, intra: bool, unavailable: str,
           one_per_node: bool = False) -> tuple[str, str, Choice | None]:
     """``(algorithm, reason, the plan's choice)`` for ``kind`` of ``tensor`` with ``op`` on a
     group of ``world`` ranks whose communicator built the hierarchical path (``hierarchical``;
     ``one_per_node``: each node holds one of its ranks) or the one-node path (``intra``), or
-    neither, for the reason ``unavailable``. ``tensor``: the allgather's input, the other
-    collectives' whole buffer."""
+    neither, for the reason ``unavailable``; ``backend``: what serves the tensor's device on
+    the group (``backend_of``). ``tensor``: the allgather's input, the other collectives'
+    whole buffer."""
     if world == 1:
         return "local", "the group has one rank", None
-    why = refusal(tensor, op, config=config, nccl=nccl)
+    why = refusal(tensor, op, config=config, backend=backend)
     if why:
         return "stock", why, None
     nbytes = tensor.numel() * tensor.element_size()

@@ -5,8 +5,15 @@ reducer takes its ``get_future()``, FSDP2's prefetch calls ``wait()``). It compl
 ``concurrent.futures.Future`` that a thread completes (the communicator's worker, the TCP
 transport's lanes), a stock collective's ``dist.Work`` (``Work.after``), or a ``finish`` step
 run on the first ``wait()``, on the waiting thread (the hierarchical pipeline's inter-node
-exchanges, whose reduction runs where the pipeline waits for them). ``get_future()``'s value
-is the call's ``result`` (the output tensors, for the backend; the bucket, for DDP).
+exchanges, whose reduction runs where the pipeline waits for them; stock handles of device
+tensors). ``get_future()``'s value is the call's ``result`` (the output tensors, for the
+backend; the bucket, for DDP).
+
+A stock handle of device tensors (NCCL's) is never turned into a future completed from its
+own: NCCL completes its future when the kernel is queued, and only its ``wait()`` makes the
+waiting stream wait for the data. Where an entry point hands a call to the stock backend it
+returns the stock ``Work`` itself; where the core must wrap one (a copy-back after it, several
+in one), the wrapper completes through the stock ``wait()`` on the waiting thread.
 """
 
 from __future__ import annotations
@@ -53,11 +60,17 @@ class Work(dist.Work):
         return cls(future, result=result)
 
     @classmethod
-    def after(cls, work, then: Callable[[], Any] | None = None, *, result: Any = None) -> "Work":
+    def after(cls, work, then: Callable[[], Any] | None = None, *, result: Any = None,
+              on_wait: bool = False) -> "Work":
         """Completes once ``work`` (a ``Work`` or a stock collective's ``dist.Work``) has, and
-        ``then()`` has run after it; an error of either is this Work's error. A stock handle
-        without a future (gloo's reduce-scatter) completes on the first ``wait()`` instead."""
-        if not isinstance(work, Work) and not _has_future(work):
+        ``then()`` has run after it; an error of either is this Work's error. ``on_wait``: it
+        completes on the first ``wait()`` instead, by ``work``'s own ``wait()`` on the waiting
+        thread, then ``then()``: what a stock handle of device tensors needs, whose future
+        completes when the collective is queued on the device (NCCL's), and whose ``wait()``
+        is what makes the waiter's stream wait for the data. So too for a stock handle without
+        a future (gloo's reduce-scatter), and after a Work that itself completes on ``wait()``."""
+        if on_wait or (isinstance(work, Work) and work._future is None) or (
+                not isinstance(work, Work) and not _has_future(work)):
             return cls(finish=lambda: (work.wait(), then is not None and then()), result=result)
         done: Future = Future()
 
@@ -73,12 +86,16 @@ class Work(dist.Work):
                 done.set_result(None)
 
         if isinstance(work, Work):
-            if work._future is None:
-                raise TypeError("Work.after needs a Work that completes by itself, not on wait()")
             work._future.add_done_callback(lambda f: finish(f.result))
         else:
             work.get_future().add_done_callback(lambda fut: finish(fut.wait))
         return cls(done, result=result)
+
+    @classmethod
+    def of_stock(cls, works: list, *, result: Any = None) -> "Work":
+        """One Work over several stock handles: it completes on the first ``wait()``, by each
+        handle's own ``wait()`` in turn on the waiting thread (why: ``after``'s ``on_wait``)."""
+        return cls(finish=lambda: [work.wait() for work in works], result=result)
 
     def returning(self, result: Any) -> "Work":
         """The same completion, with ``result`` as its future's value."""

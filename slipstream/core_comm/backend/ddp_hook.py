@@ -7,8 +7,10 @@ keep their own backend (gloo)::
 Like torch's ``default_hooks.allreduce_hook`` it divides the bucket by the group size, then
 sums it, so the result equals DDP's own (bitwise where the summation order is the same). The
 state is the process group (None: WORLD) or a ``DDPHookState``, which also takes a
-``CommConfig``. The communicator comes from the pool, built on the first bucket (a collective:
-DDP reduces buckets in the same order on every rank). DDP checks the hook's annotations
+``CommConfig``. The communicator comes from the pool, built on the first bucket the routing
+decision gives the core (a collective: DDP reduces buckets in the same order on every rank).
+A bucket the decision leaves to the group (CUDA on NCCL) is torch's own ``allreduce_hook``:
+the stock future, whose waiters' streams wait for NCCL's, and no communicator. DDP checks the hook's annotations
 (``bucket: dist.GradBucket``, a ``Future[Tensor]`` result): no postponed annotations here.
 """
 
@@ -34,18 +36,24 @@ class DDPHookState:
         self.config = config
         """None: ``CommConfig.default()`` when the communicator is built."""
 
-    def communicator(self):
-        """The communicator of the group (collective the first time)."""
-        return pool.get(self.process_group, config=self.config)
+    def communicator(self, buffer: torch.Tensor):
+        """The communicator that reduces ``buffer`` on the group (collective the first time),
+        or None where the routing decision leaves it to the group's own all-reduce."""
+        return pool.for_call(self.process_group, buffer, kind="all_reduce", config=self.config)
 
 
 def ddp_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Average ``bucket.buffer()`` (flat, the bucket's dtype and device) over the group; a
     future of the averaged buffer, as DDP expects. Runs on the communicator's worker thread
-    when the core takes the call; otherwise it is the group's own async allreduce."""
+    when the core takes the call; otherwise it is the group's own async allreduce, its future
+    as torch's ``allreduce_hook`` returns it."""
     hook_state = state if isinstance(state, DDPHookState) else DDPHookState(state)
-    comm = hook_state.communicator()
     buffer = bucket.buffer()
+    comm = hook_state.communicator(buffer)
+    if comm is None:
+        buffer.div_(dist.get_world_size(hook_state.process_group))
+        work = dist.all_reduce(buffer, group=hook_state.process_group, async_op=True)
+        return work.get_future().then(lambda fut: fut.value()[0])
     buffer.div_(comm.world)
     work = comm.all_reduce(buffer, dist.ReduceOp.SUM, async_op=True)
     return work.returning(buffer).get_future()

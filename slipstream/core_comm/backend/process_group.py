@@ -32,7 +32,6 @@ from torch._C._distributed_c10d import (
     AllreduceCoalescedOptions,
     AllreduceOptions,
     ReduceScatterOptions,
-    _create_work_from_future,
 )
 
 from .. import counters, pool
@@ -100,6 +99,11 @@ class SlipstreamProcessGroup(dist.ProcessGroup):
     def __repr__(self) -> str:
         return f"SlipstreamProcessGroup(rank={self._rank}, size={self._size}, ranks={list(self._global_ranks)})"
 
+    def device_backend(self, device_type: str) -> str:
+        """What serves ``device_type`` tensors here (``routing.backend_of``): NCCL for CUDA
+        tensors where the group built one, else this backend (gloo underneath)."""
+        return "nccl" if device_type == "cuda" and self._nccl is not None else BACKEND
+
     @property
     def communicator(self) -> Communicator | None:
         """The core's communicator of this group; None until the first accelerated call."""
@@ -164,9 +168,8 @@ class SlipstreamProcessGroup(dist.ProcessGroup):
         opts = _as_opts(opts, AllgatherOptions)
         self._agree("all_gather_coalesced", outputs)
         comm = self._fast_pairs(outputs, inputs, ReduceOp.SUM, opts, "all_gather_coalesced", gather=True)
-        if comm is None:  # the stock bindings have no coalesced form: one call per pair
-            with checked():
-                return _all_of([self.all_gather_single(o, i, opts) for o, i in zip(outputs, inputs)], outputs)
+        if comm is None:
+            return self._stock_coalesced(self.all_gather_single, outputs, inputs, opts)
         return _launch(lambda a: comm.all_gather_coalesced(outputs, inputs, async_op=a), outputs, opts)
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts=ReduceScatterOptions()):
@@ -176,8 +179,7 @@ class SlipstreamProcessGroup(dist.ProcessGroup):
         self._agree("reduce_scatter_coalesced", inputs, op)
         comm = self._fast_pairs(outputs, inputs, op, opts, "reduce_scatter_coalesced", gather=False)
         if comm is None:
-            with checked():
-                return _all_of([self.reduce_scatter_single(o, i, opts) for o, i in zip(outputs, inputs)], outputs)
+            return self._stock_coalesced(self.reduce_scatter_single, outputs, inputs, opts)
         return _launch(lambda a: comm.reduce_scatter_coalesced(outputs, inputs, op, async_op=a), outputs, opts)
 
     # torch < 2.13 calls these names.
@@ -220,6 +222,14 @@ class SlipstreamProcessGroup(dist.ProcessGroup):
             tensor = tensors[0] if isinstance(tensors, (list, tuple)) and tensors else tensors
             self.call_check.check(describe(kind, tensor if isinstance(tensor, torch.Tensor) else None, op))
 
+    @staticmethod
+    def _stock_coalesced(single, outputs, inputs, opts):
+        """A coalesced call the core does not take: one ``single`` call per pair (the stock
+        backends' Python bindings have no coalesced form), in one ``Work`` that waits through
+        each call's own ``wait()`` (a future of NCCL's completes at enqueue)."""
+        with checked():
+            return Work.of_stock([single(o, i, opts) for o, i in zip(outputs, inputs)], result=outputs)
+
     def _stock(self, tensor: torch.Tensor | None):
         """The stock backend for ``tensor``'s device (gloo when there is no NCCL or no tensor)."""
         if tensor is not None and tensor.device.type == "cuda" and self._nccl is not None:
@@ -237,7 +247,7 @@ class SlipstreamProcessGroup(dist.ProcessGroup):
         elif opts.timeout != _UNSET_TIMEOUT:
             why = "a per-call timeout is the stock backend's"
         else:
-            why = refusal(tensor, op, others, config=self._config, nccl=self._nccl is not None)
+            why = refusal(tensor, op, others, config=self._config, backend=self.device_backend(tensor.device.type))
         if why is None:
             return pool.get(self, config=self._config)
         log.debug("slipstream %s of %s %s: stock %s: %s", kind, tuple(tensor.shape), tensor.dtype,
@@ -278,12 +288,6 @@ def _first_tensor(args, kwargs=None) -> torch.Tensor | None:
             if found is not None:
                 return found
     return None
-
-
-def _all_of(works: list, outputs: list):
-    """One ``Work`` that completes when every work in ``works`` has; its value is ``outputs``."""
-    done = torch.futures.collect_all([w.get_future() for w in works])
-    return _create_work_from_future(done.then(lambda _: outputs))
 
 
 def _fits(output: torch.Tensor, input: torch.Tensor, size: int, *, gather: bool) -> bool:

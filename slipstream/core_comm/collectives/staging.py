@@ -32,7 +32,10 @@ class CudaStaging:
     def all_reduce(self, tensor: torch.Tensor, reduce_on_host: Callable[[torch.Tensor], None]) -> None:
         """In place on a contiguous CUDA tensor; ``reduce_on_host(chunk)`` all-reduces one
         pinned host chunk in place (a collective: every rank calls it the same number of
-        times). Synchronises the host with the copies of each chunk, not with other work."""
+        times). The copies follow the current stream's work and the current stream waits for
+        them; the host waits for each chunk's copy in and, at the end, for the copies back, so
+        that a caller told "done" from another thread (an async call's ``Work``) finds the
+        result on the device whatever stream it reads it on."""
         flat = tensor.view(-1)
         step = self.chunk_bytes // flat.element_size()
         self._d2h.wait_stream(torch.cuda.current_stream(self.device))
@@ -46,6 +49,7 @@ class CudaStaging:
         torch.cuda.current_stream(self.device).wait_stream(self._h2d)
         flat.record_stream(self._d2h)
         flat.record_stream(self._h2d)
+        self._h2d.synchronize()
 
     def _host_view(self, buf: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
         return self._host[buf][: numel * dtype.itemsize].view(dtype)
