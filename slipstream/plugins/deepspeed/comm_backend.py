@@ -5,8 +5,10 @@ Every collective DeepSpeed issues goes through one module-level backend object,
 ``zero.py``'s patch) and parameter ``all_gather_into_tensor``; ZeRO-3 async
 ``all_gather_into_tensor`` handles with ``.wait()``, ``reduce_scatter_tensor`` of gradients and
 fp64 ``all_reduce`` of norms. The stand-in answers those three through the core's communicator
-of the call's group (the pool's, running the tuner's plan) and hands every other attribute to
-the original object, reachable as ``__wrapped__``. DeepSpeed's files are not edited.
+of the call's group (the pool's, running the tuner's plan) where the routing decision gives
+the call to the core, and hands every other call, and every other attribute, to the original
+object, reachable as ``__wrapped__``: a CUDA tensor on NCCL goes to DeepSpeed's own call,
+whose handle comes back as it is, and builds no communicator. DeepSpeed's files are not edited.
 """
 
 from __future__ import annotations
@@ -35,24 +37,47 @@ class CommBackend:
         return getattr(self.__wrapped__, name)
 
     def communicator(self, group) -> Communicator:
+        """The communicator of ``group`` (None: WORLD); the first call is a collective."""
         key = group if group is not None else dist.group.WORLD
         self._groups.add(key)
         # First collective on this group: every member is inside the same call.
         return pool.get(key, config=self.config)
 
+    def takes(self, group, device_type: str, dtype, op=dist.ReduceOp.SUM) -> bool:
+        """Whether the routing decision gives such a call on ``group`` to the core."""
+        return pool.decide(group, device_type, dtype, op, config=self.config) is None
+
+    def _core(self, group, tensor, op, kind: str, nbytes: int | None = None) -> Communicator | None:
+        comm = pool.for_call(group, tensor, op, kind=kind, nbytes=nbytes, config=self.config)
+        if comm is not None:
+            self._groups.add(group if group is not None else dist.group.WORLD)
+        return comm
+
     def all_reduce(self, tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
         op = self.__wrapped__._reduce_op(op)
-        return self.communicator(group).all_reduce(tensor, op, async_op=async_op)
+        comm = self._core(group, tensor, op, "all_reduce")
+        if comm is None:
+            return self.__wrapped__.all_reduce(tensor, op, group=group, async_op=async_op)
+        return comm.all_reduce(tensor, op, async_op=async_op)
 
     def reduce_scatter_tensor(self, output_tensor, input_tensor, op=dist.ReduceOp.SUM, group=None, async_op=False,
                               valid=None):
-        """``valid``: the real part of each block (``Communicator.reduce_scatter``), from ``zero.py``."""
+        """``valid``: the real part of each block (``Communicator.reduce_scatter``), from ``zero.py``;
+        DeepSpeed's own call, where the decision leaves it there, moves every block whole."""
         op = self.__wrapped__._reduce_op(op)
-        return self.communicator(group).reduce_scatter(output_tensor, input_tensor, op, async_op=async_op,
-                                                       valid=valid)
+        comm = self._core(group, input_tensor, op, "reduce_scatter")
+        if comm is None:
+            return self.__wrapped__.reduce_scatter_tensor(output_tensor, input_tensor, op, group=group,
+                                                          async_op=async_op)
+        return comm.reduce_scatter(output_tensor, input_tensor, op, async_op=async_op, valid=valid)
 
     def all_gather_into_tensor(self, output_tensor, input_tensor, group=None, async_op=False):
-        return self.communicator(group).all_gather(output_tensor, input_tensor, async_op=async_op)
+        comm = self._core(group, input_tensor, dist.ReduceOp.SUM, "all_gather",
+                          output_tensor.numel() * output_tensor.element_size())
+        if comm is None:
+            return self.__wrapped__.all_gather_into_tensor(output_tensor, input_tensor, group=group,
+                                                           async_op=async_op)
+        return comm.all_gather(output_tensor, input_tensor, async_op=async_op)
 
     def destroy_process_group(self, group=None):
         if group is None:  # DeepSpeed's call without a group destroys every group

@@ -15,10 +15,13 @@ import logging
 import os
 import sys
 
+import torch
+
 from ..._common import record
 from ..._common.record import deferred, note_stack, warn_once
 from .._adapter import apply_job_effects, compile_model, read_config, undo_job_effects
 from ..._common.patch import patch, unpatch
+from ...core_comm import pool
 from ...core_comm.tuner import load_plan
 from . import build_lock
 from .comm_backend import install_comm
@@ -81,7 +84,12 @@ def _set_up(original, args, kwargs):
         return original(*bound.args, **bound.kwargs)
     _init_distributed(original, params)
     backend = install_comm(settings.comm)
-    ds_config = bucket_defaults(ds_config, _recommended_buckets(backend, ds_config, settings.comm.overlap))
+    # the world group's decision for the job's device: on NCCL, DeepSpeed's own path throughout
+    # (its buckets, its reductions, its streams) and no communicator built for it
+    stays = pool.decide(None, _device_type(), torch.float32, config=settings.comm)
+    ours = stays is None
+    if ours:
+        ds_config = bucket_defaults(ds_config, _recommended_buckets(backend, ds_config, settings.comm.overlap))
     apply_job_effects(settings, on_cpu=_on_cpu())
     if settings.varlen is not None:
         from ...core_compile import apply_varlen
@@ -103,8 +111,8 @@ def _set_up(original, args, kwargs):
         # DeepSpeed's hooks: the hook-free regions; the search's budget a share of the run, if stated
         compiled = compile_model(result[0].module, settings, steps=run_length(ds_config),
                                  micro_batches=result[0].gradient_accumulation_steps())
-    owners = patch_zero_optimizer(result[0].optimizer, overlap=settings.comm.overlap)
-    if stage == 3 and settings.comm.overlap:
+    owners = ours and patch_zero_optimizer(result[0].optimizer, overlap=settings.comm.overlap)
+    if ours and stage == 3 and settings.comm.overlap:
         patch_zero3_optimizer(result[0].optimizer)
     overlapped = overlaps(result[0].optimizer)
     if owners:
@@ -113,10 +121,12 @@ def _set_up(original, args, kwargs):
     elif overlapped:
         log.info("slipstream: ZeRO-3 gradient buckets reduce-scattered during backward")
     note_stack("deepspeed", engaged=True, zero_stage=stage,
-               collectives="deepspeed.comm through the core", gradient_buckets_to_owners=bool(owners),
-               buckets_during_backward=bool(overlapped),
+               collectives=("deepspeed.comm through the core" if ours else
+                            f"DeepSpeed's own ({stays})"),
+               gradient_buckets_to_owners=bool(owners), buckets_during_backward=bool(overlapped),
                varlen=settings.varlen is not None, compile=compiled)
-    backend.communicator(None)  # built now (every rank is here) so that the line names its paths
+    if ours:
+        backend.communicator(None)  # built now (every rank is here) so that the line names its paths
     record.start(by_adapter=True)
     return result
 
@@ -146,47 +156,40 @@ def _init_distributed(original, params) -> None:
 
 def _recommended_buckets(backend, ds_config: dict, overlap: bool) -> dict:
     """ZeRO bucket sizes the tuner recommends for the world group's topology, in elements of
-    the training dtype (2 bytes under bf16/fp16, else 4): all of them where DeepSpeed overlaps
-    its collectives with compute; on a CPU with ``overlap``, the gradient buckets alone for
-    ZeRO-2 (reduced during backward, ``overlap.py``) and, for ZeRO-3, the prefetch bucket and
-    the gradient buckets (both during the passes); none where nothing overlaps."""
-    zero = ds_config.get("zero_optimization", {})
-    with_streams = _overlaps_comm(ds_config)
-    during_backward = overlap and _on_cpu() and zero.get("stage", 0) == 2
+    the training dtype (2 bytes under bf16/fp16, else 4), on a CPU with ``overlap``: the
+    gradient buckets alone for ZeRO-2 (reduced during backward, ``overlap.py``) and, for
+    ZeRO-3, the prefetch bucket and the gradient buckets (both during the passes); none
+    elsewhere. On a GPU DeepSpeed's own sizes stand: the cost model is the CPU path's (it gave
+    512K elements on 2 nodes, where DeepSpeed's own are 5e8)."""
+    stage = ds_config.get("zero_optimization", {}).get("stage", 0)
     # ZeRO-3 prefetches parameters asynchronously on a CPU too, but its default bucket (50M
     # elements) takes a model of this size in one all-gather, waited for at the first layer:
     # in buckets, the next is gathered while the layer before it computes. Its default
     # gradient bucket (500M elements) holds the whole model: one reduce-scatter at the end of
     # backward, with nothing left to compute beside it
-    ahead = overlap and _on_cpu() and zero.get("stage", 0) == 3
-    if not (with_streams or during_backward or ahead):
+    if not (overlap and _on_cpu() and stage in (2, 3)):
         # Each collective then blocks the step and waits for the slowest rank: the fewest,
         # largest buckets (DeepSpeed's own defaults) are fastest. Smaller tuned buckets were
         # 10% slower a step on 2 emulated nodes (benchmarks/results/finetune_*.md).
-        log.info("slipstream: ZeRO buckets left at DeepSpeed's sizes (no comm/compute overlap here)")
+        log.info("slipstream: ZeRO buckets left at DeepSpeed's sizes")
         return {}
     half = any(ds_config.get(k, {}).get("enabled", False) for k in ("bf16", "fp16"))
     comm = backend.communicator(None)
     plan = comm.plan or load_plan(comm)  # a cached measured plan, else the cost model's buckets
     sizes = zero_buckets(plan.buckets, element_size=2 if half else 4)["zero_optimization"]
-    if with_streams:
-        return sizes
     gradients = {"reduce_bucket_size": sizes["reduce_bucket_size"]}
-    return {"stage3_prefetch_bucket_size": sizes["stage3_prefetch_bucket_size"], **gradients} if ahead else gradients
+    return {"stage3_prefetch_bucket_size": sizes["stage3_prefetch_bucket_size"], **gradients} if stage == 3 else gradients
 
 
-def _overlaps_comm(ds_config: dict) -> bool:
-    """Whether ZeRO runs its collectives beside compute: ``overlap_comm`` on (DeepSpeed's
-    default: on for stage 3 only) and an accelerator with streams (the CPU one has none)."""
-    zero = ds_config.get("zero_optimization", {})
-    overlap = zero.get("overlap_comm", zero.get("stage", 0) == 3)
-    return bool(overlap) and not _on_cpu()
+def _device_type() -> str:
+    """The type of device DeepSpeed's accelerator trains on (``cpu``, ``cuda``, ...)."""
+    from deepspeed.accelerator import get_accelerator
+
+    return get_accelerator().device_name()
 
 
 def _on_cpu() -> bool:
-    from deepspeed.accelerator import get_accelerator
-
-    return get_accelerator().device_name() == "cpu"
+    return _device_type() == "cpu"
 
 
 def install() -> None:

@@ -11,7 +11,9 @@ The patch (on the optimizer instance only, idempotent; ``unpatch_all`` or the pl
 to the largest owner's size), reduce-scatters it through DeepSpeed's communication backend (the
 core's stand-in, ``comm_backend.py``) and copies the owned slices back exactly where DeepSpeed would.
 Anything else (several owners of one slice, communication in another dtype, sequence
-parallelism, owners too unequal to pad cheaply on one node) goes to DeepSpeed's own method.
+parallelism, owners too unequal to pad cheaply on one node, a bucket the routing decision
+leaves to the group, such as CUDA on NCCL) goes to DeepSpeed's own method, with DeepSpeed's
+own bytes on the wire.
 Across nodes the padding never crosses the link: the core's reduce-scatter sends each owner
 only its real slices (``valid``), so every bucket, even one inside a single owner's
 partition, moves the least possible bytes.
@@ -84,11 +86,16 @@ def _reduce_to_owners(self, deferred, small_bucket, communication_data_type, log
 
     group = self.dp_process_group if process_group is None else process_group
     backend = dist.comm.cdb  # the core's stand-in (comm_backend.py), possibly behind a timer
-    comm = backend.communicator(group) if hasattr(backend, "communicator") else None
-    world = dist.get_world_size(group=group)
     dtype = small_bucket[0].dtype if small_bucket else None
+    # the core's path only where the routing decision gives it the bucket: on NCCL the padded
+    # layout would cross the wire whole (up to 8x DeepSpeed's bytes on 2 x 8 GPUs)
+    ours = (hasattr(backend, "takes") and dtype is not None
+            and backend.takes(group, small_bucket[0].device.type, dtype))
+    comm = backend.communicator(group) if ours else None
+    world = dist.get_world_size(group=group)
     layout = None
-    if (bucket_ranks is not None and dtype == communication_data_type and not stage_1_and_2.pg_correctness_test
+    if (ours and bucket_ranks is not None and dtype == communication_data_type
+            and not stage_1_and_2.pg_correctness_test
             and self.sequence_parallel_size == 1 and all(t.dtype == dtype for t in small_bucket)):
         # across nodes only the owners' real slices cross the link: any padding is free there
         layout = owner_layout([t.numel() for t in small_bucket], list(bucket_ranks), world,
@@ -105,11 +112,8 @@ def _reduce_to_owners(self, deferred, small_bucket, communication_data_type, log
         flat.div_(world)
     mine = torch.empty(shard, dtype=dtype, device=flat.device)
     collecting = deferred.collecting if deferred is not None else None
-    if comm is not None:  # across nodes only each owner's real slices cross the link
-        valid = [end - r * shard for r, end in enumerate(ends)]
-        work = backend.reduce_scatter_tensor(mine, flat, group=group, async_op=collecting is not None, valid=valid)
-    else:
-        work = dist.reduce_scatter_tensor(mine, flat, group=group, async_op=collecting is not None)
+    valid = [end - r * shard for r, end in enumerate(ends)]  # across nodes only each owner's real slices cross
+    work = backend.reduce_scatter_tensor(mine, flat, group=group, async_op=collecting is not None, valid=valid)
     base = dist.get_rank(group=group) * shard
     outputs = output_bucket if output_bucket is not None else [None] * len(small_bucket)
 

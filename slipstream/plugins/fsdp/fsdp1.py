@@ -1,7 +1,8 @@
 """FSDP1 (``FullyShardedDataParallel``): the sharded gradient reduce-scatter through the core,
 as a comm hook with FSDP's own pre- and post-division: torch's ``reduce_scatter_hook`` (or, for
 ``NO_SHARD``, ``allreduce_hook``) with the collective handed to the core's communicator of the
-group. The parameter all-gathers go through the group's backend. torch cannot remove a
+group. The parameter all-gathers go through the group's backend, and so does a gradient the
+routing decision leaves to the group (CUDA on NCCL): torch's own hook then. torch cannot remove a
 registered hook, so ``register`` records a change whose undo (``slipstream.disable``) sends the
 hook's calls to torch's own default hooks from then on.
 """
@@ -20,12 +21,13 @@ _ROUTED = "_slipstream_routed"  # on the hook's state: False once the registry u
 
 def slipstream_fsdp1_hook(state, grad: torch.Tensor, output: torch.Tensor | None) -> None:
     """``state``: torch's ``DefaultState`` (process group, pre/post-division factors)."""
-    if not getattr(state, _ROUTED, True):  # undone: torch's own hooks
+    kind = "all_reduce" if output is None else "reduce_scatter"
+    comm = pool.for_call(state.process_group, grad, kind=kind) if getattr(state, _ROUTED, True) else None
+    if comm is None:  # undone, or the group's own collective: torch's own hooks
         from torch.distributed.algorithms._comm_hooks import default_hooks
 
         return default_hooks.allreduce_hook(state, grad) if output is None else \
             default_hooks.reduce_scatter_hook(state, grad, output)
-    comm = pool.get(state.process_group)
     if state.gradient_predivide_factor > 1:
         grad.div_(state.gradient_predivide_factor)
     if output is None:

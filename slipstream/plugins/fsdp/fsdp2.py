@@ -7,6 +7,11 @@ group FSDP passes (built on the first call: every rank of the group is in it), w
 to the group's own collective when the routing rule refuses it. Asynchronous calls come back
 as a ``torch.distributed.Work`` (FSDP's prefetch waits on it). A module whose FSDP state has
 several parameter groups (a per-parameter mesh) stays on the stock comms, with one warning.
+
+A module whose parameters the routing decision leaves to their group (CUDA on NCCL) keeps
+FSDP2's own comms, untouched, and its own stream overlap (``comm.overlap`` changes nothing
+there); the record says so. A call that reaches a comm object anyway (a group the decision
+leaves to NCCL, an HSDP replica group) is FSDP2's own call, its stock ``Work`` handed back.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import torch.distributed as dist
 
 from ...core_comm import pool
 from ...core_comm.config import CommConfig
+from ..._common import record
 from ..._common.record import note_stack, warn_once
 from ..._common.patch import change, forget, patch, unpatch
 from . import overlap as _overlap
@@ -55,14 +61,20 @@ def _classes():
         """FSDP2's parameter all-gather through the core's communicator of FSDP's group."""
 
         def __call__(self, output_tensor, input_tensor, group, async_op=False):
-            work = pool.get(group, config=self.config).all_gather(output_tensor, input_tensor, async_op=async_op)
+            comm = pool.for_call(group, input_tensor, kind="all_gather", nbytes=_nbytes(output_tensor),
+                                 config=self.config)
+            if comm is None:  # the group's own, as FSDP2's DefaultAllGather
+                return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+            work = comm.all_gather(output_tensor, input_tensor, async_op=async_op)
             return work.returning([output_tensor]) if async_op else None
 
     class SlipstreamReduceScatter(_Core, ReduceScatter):
         """FSDP2's gradient reduce-scatter (AVG, SUM, PREMUL_SUM) through the core."""
 
         def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-            comm = pool.get(group, config=self.config)
+            comm = pool.for_call(group, input_tensor, op, kind="reduce_scatter", config=self.config)
+            if comm is None:  # the group's own, as FSDP2's DefaultReduceScatter
+                return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
             if not async_op and _overlap.DEFERRAL.take("reduce_scatter"):
                 _overlap.DEFERRAL.pending.append(comm.reduce_scatter(output_tensor, input_tensor, op, async_op=True))
                 return None
@@ -93,7 +105,7 @@ def apply(model: torch.nn.Module, config: CommConfig | None = None) -> list[str]
     modules = [(name, module) for name, module in model.named_modules() if isinstance(module, FSDPModule)]
     if not modules:
         raise ValueError(f"{type(model).__name__} has no FSDP2 module: call fully_shard on it (and its layers) first")
-    switched = []
+    switched, kept, during = [], [], False
     for name, module in modules:
         label = name or type(module).__name__
         if _ORIGINALS in vars(module):
@@ -104,12 +116,19 @@ def apply(model: torch.nn.Module, config: CommConfig | None = None) -> list[str]
             warn_once(f"FSDP module {label!r} has {len(groups)} parameter groups (a per-parameter mesh): "
                       "torch's custom-comm hook refuses it, so its collectives stay stock")
             continue
+        why = _stays_stock(module._get_fsdp_state(), config)
+        if why:
+            kept.append(why)
+            continue
         before = [(g._all_gather_comm, g._reduce_scatter_comm) for g in groups]
         module.set_custom_all_gather(gather_cls(config))
-        module.set_custom_reduce_scatter(scatter_cls(config, overlapped))
+        # on a device with streams FSDP2 overlaps its own collectives: left as it is
+        on_cpu = overlapped and all(g.device.type == "cpu" for g in groups)
+        module.set_custom_reduce_scatter(scatter_cls(config, on_cpu))
         vars(module)[_ORIGINALS] = before
-        if overlapped:
+        if on_cpu:
             vars(module)[_OVERLAPPED] = _overlap.engage(groups)
+            during = True
         for g in groups:  # HSDP: the replicate group's all-reduce of each reduce-scatter output
             replicate = getattr(g.mesh_info, "replicate_process_group", None)
             if replicate is not None:
@@ -121,8 +140,31 @@ def apply(model: torch.nn.Module, config: CommConfig | None = None) -> list[str]
                lambda: ref() is not None and remove(ref()), owner="fsdp", target=model)
     note_stack("fsdp", engaged=bool(switched), by="slipstream.fsdp.apply", modules_through_the_core=len(switched),
                hsdp_replicate_all_reduce="through the core" if _HSDP.groups else None,
-               reductions_during_backward=bool(switched) and overlapped)
+               reductions_during_backward=during or any(_OVERLAPPED in vars(m) for _, m in modules),
+               modules_left_to_fsdp=f"{len(kept)} ({kept[0]})" if kept else None)
+    if kept and not switched:  # no communicator will be built to start the job's line: say it now
+        record.start()
     return switched
+
+
+def _stays_stock(state, config: CommConfig | None) -> str | None:
+    """Why a module keeps FSDP2's own comms (``state``: its FSDP state): the routing decision
+    for its device on its parameter groups' shard and replica groups (a module without
+    parameters of its own: the default group) leaves their calls there (CUDA on NCCL), or None."""
+    groups = state._fsdp_param_groups
+    if not groups:
+        return pool.decide(None, state._device.type, torch.float32, config=config)
+    for g in groups:
+        for attr in ("shard_process_group", "replicate_process_group"):
+            group = getattr(g.mesh_info, attr, None)
+            why = pool.decide(group, g.device.type, torch.float32, config=config) if group is not None else None
+            if why:
+                return why
+    return None
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
 
 
 def remove(model: torch.nn.Module) -> None:
@@ -184,7 +226,9 @@ class _DistView:
         entry = self._routes.groups.get(id(group))
         if entry is None:
             return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
-        comm = pool.get(group, config=entry[1])
+        comm = pool.for_call(group, tensor, op, kind="all_reduce", config=entry[1])
+        if comm is None:
+            return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
         if not async_op and _overlap.DEFERRAL.take("all_reduce"):
             _overlap.DEFERRAL.pending.append(comm.all_reduce(tensor, op, async_op=True))
             return None
