@@ -72,6 +72,19 @@ def test_the_decision_leaves_other_devices_and_disabled_paths_stock():
     assert decide("cpu", "mpi", ReduceOp.SUM, torch.float32, config=CommConfig()) is None
 
 
+def test_a_group_of_one_rank_on_nccl_keeps_nccls_handle():
+    """One rank: the core's local copy would run on its worker, a handle the waiter's stream
+    knows nothing of; NCCL's own keeps the streams ordered."""
+    from slipstream.core_comm.routing import route
+
+    def path(backend, world=1):
+        return route("all_gather", torch.ones(4), ReduceOp.SUM, world=world, config=CommConfig(), backend=backend,
+                     plan=None, hierarchical=False, intra=False, unavailable="")[0]
+
+    assert path("nccl") == "stock" and path("nccl", world=4) == "stock"
+    assert path("gloo") == "local" and path("slipstream") == "local"
+
+
 def _backends(rank, world):
     import slipstream  # noqa: F401 - registers the backend
     from slipstream.core_comm.routing import backend_of
@@ -142,7 +155,7 @@ def test_every_wrapper_of_a_stock_handle_waits_through_its_wait():
     stock = _StandIn()
     device = torch.empty(4, device="meta")
     wrapped = _stock(stock, device, device, 0.0)
-    _assert_waits_through(Communicator._then(wrapped, lambda: ran.append("unflatten")), stock)
+    _assert_waits_through(Communicator._then(wrapped, lambda: ran.append("unflatten"), device.device), stock)
     assert ran[-1] == "unflatten"
 
     # the backend's coalesced call that stays stock: one Work over each pair's stock handle

@@ -228,7 +228,7 @@ class Communicator:
         _check_coalesced("all_reduce_coalesced", tensors)
         flat = torch.cat([t.reshape(-1) for t in tensors])
         work = self._all_reduce_as("all_reduce_coalesced", flat, op, async_op)
-        return self._then(work, lambda: _unflatten(flat, tensors))
+        return self._then(work, lambda: _unflatten(flat, tensors), flat.device)
 
     def reduce_scatter_coalesced(self, outputs: list, inputs: list, op=ReduceOp.SUM, async_op: bool = False):
         """``reduce_scatter`` of each pair, as one call: the inputs' rank-r blocks are laid
@@ -237,7 +237,7 @@ class Communicator:
         flat_in = torch.cat([i.reshape(self.world, -1) for i in inputs], dim=1).reshape(-1)
         flat_out = flat_in.new_empty(flat_in.numel() // self.world)
         work = self._resize_as("reduce_scatter_coalesced", "reduce_scatter", flat_out, flat_in, op, async_op)
-        return self._then(work, lambda: _unflatten(flat_out, outputs))
+        return self._then(work, lambda: _unflatten(flat_out, outputs), flat_out.device)
 
     def all_gather_coalesced(self, outputs: list, inputs: list, async_op: bool = False):
         """``all_gather`` of each pair, as one call."""
@@ -253,23 +253,24 @@ class Communicator:
                 at += i.numel()
 
         work = self._resize_as("all_gather_coalesced", "all_gather", flat_out, flat_in, None, async_op)
-        return self._then(work, scatter_back)
+        return self._then(work, scatter_back, flat_out.device)
 
     @staticmethod
-    def _then(work, finish):
-        """Run ``finish`` after ``work`` (None: the call was synchronous and is done)."""
+    def _then(work, finish, device: torch.device):
+        """Run ``finish`` after ``work`` (None: the call was synchronous and is done); for
+        device tensors on the waiter's thread and stream, where its copies are then ordered."""
         if work is None:
             finish()
             return None
-        return Work.after(work, finish)
+        return Work.after(work, finish, on_wait=device.type != "cpu")
 
     def _run(self, fn, async_op: bool, device: torch.device):
         """Run ``fn`` now, or on the worker thread (``async_op``). A collective reduces values,
         as gloo's does: outside autograd, also for a tensor that requires grad (DDP under
         ``backward(create_graph=True)``), where an ``out=`` reduction would raise. A CUDA
         call on the worker runs on the stream current where it was issued, so that its copies
-        follow the work that wrote its input, and the staged path finishes them before the
-        call's ``Work`` completes (``collectives/staging.py``)."""
+        follow the work that wrote its input, and its ``Work`` completes once that stream has
+        run them: a waiter on any stream finds the result there."""
 
         def values_only() -> None:
             try:
@@ -298,6 +299,9 @@ class Communicator:
                 else:
                     with torch.cuda.stream(stream):
                         values_only()
+                        done = torch.cuda.Event()
+                        done.record(stream)
+                    done.synchronize()  # this thread waits, so that "complete" means the data is there
             finally:
                 counters.timeline.flight(issued, time.perf_counter())
 

@@ -35,7 +35,8 @@ from .ops import cannot_reduce, split_op
 from .transport.codec import CODECS
 
 __all__ = ["CMA_FROM_BYTES", "DEVICE_LIBRARIES", "ONE_PER_NODE_STOCK_BELOW_BYTES", "STAGED_OVER",
-           "STOCK_BELOW_BYTES", "Choice", "Plan", "backend_of", "decide", "refusal", "route", "use_cma", "wire_format"]
+           "STOCK_BELOW_BYTES", "Choice", "Plan", "backend_of", "decide", "keeps", "refusal", "route", "use_cma",
+           "wire_format"]
 
 ReduceOp = dist.ReduceOp
 
@@ -115,6 +116,19 @@ def backend_of(group, device_type: str) -> str | None:
     return served.get(device_type)
 
 
+def keeps(device_type: str, backend: str | None) -> str | None:
+    """Why a group keeps every call of ``device_type`` tensors on its own backend ``backend``
+    whatever the call, the group's size and settings: it has no backend for them, a device's
+    own library (NCCL), or a backend for CUDA tensors that is not a host-memory one; or None."""
+    if backend is None:
+        return f"the group has no backend for {device_type} tensors"
+    if backend in DEVICE_LIBRARIES:
+        return f"{device_type} tensors on {backend}: the stack's own collective"
+    if device_type == "cuda" and backend not in STAGED_OVER:
+        return f"CUDA tensors on {backend}: the stack's own collective"
+    return None
+
+
 def decide(device_type: str, backend: str | None, op, dtype: torch.dtype, *, config) -> str | None:
     """The routing decision that needs no communicator: None when the core may take a
     collective of a ``dtype`` tensor on ``device_type`` with ``op`` (an all-gather: SUM, as
@@ -122,16 +136,12 @@ def decide(device_type: str, backend: str | None, op, dtype: torch.dtype, *, con
     ``backend`` (``backend_of``), with settings ``config``; else why the call stays the
     group's own. Pure: the same inputs give the same answer on every rank. The call's size
     and the group's topology decide the rest, once a communicator exists (``route``)."""
-    if backend is None:
-        return f"the group has no backend for {device_type} tensors"
-    if backend in DEVICE_LIBRARIES:
-        return f"{device_type} tensors on {backend}: the stack's own collective"
-    if device_type == "cuda":
-        if backend not in STAGED_OVER:
-            return f"CUDA tensors on {backend}: the stack's own collective"
-        if not config.cuda_staging:
-            return "CUDA staging is disabled"
-    elif device_type != "cpu":
+    kept = keeps(device_type, backend)
+    if kept:
+        return kept
+    if device_type == "cuda" and not config.cuda_staging:
+        return "CUDA staging is disabled"
+    if device_type not in ("cpu", "cuda"):
         return f"device {device_type} is not supported"
     if not config.shm:
         return "shared memory is disabled (SLIPSTREAM_SHM=0)"
@@ -165,6 +175,9 @@ def route(kind: str, tensor: torch.Tensor, op, *, world: int, config, backend: s
     neither, for the reason ``unavailable``; ``backend``: what serves the tensor's device on
     the group (``backend_of``). ``tensor``: the allgather's input, the other collectives'
     whole buffer."""
+    kept = keeps(tensor.device.type, backend)  # NCCL's even for one rank: its handle orders the streams
+    if kept:
+        return "stock", kept, None
     if world == 1:
         return "local", "the group has one rank", None
     why = refusal(tensor, op, config=config, backend=backend)
