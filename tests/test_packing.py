@@ -42,9 +42,25 @@ def test_mask_with_a_gap_inside_a_row_is_refused():
 
 def test_from_position_ids_and_from_cu_seqlens_agree_with_from_lengths():
     ref = PackedBatch.from_lengths([2, 4, 1])
-    for p in (PackedBatch.from_position_ids(ref.position_ids), PackedBatch.from_cu_seqlens(ref.cu_seqlens)):
-        assert p.lengths == ref.lengths
-        assert torch.equal(p.cu_seqlens, ref.cu_seqlens)
+    p = PackedBatch.from_position_ids(ref.position_ids)
+    assert p.lengths == ref.lengths and torch.equal(p.cu_seqlens, ref.cu_seqlens)
+    for lengths in ([2, 4, 1], [3, 0, 2], [0, 5], [1]):
+        ref = PackedBatch.from_lengths(lengths)
+        p = PackedBatch.from_cu_seqlens(ref.cu_seqlens, total_tokens=sum(lengths), max_seqlen=9)
+        assert p.lengths is None and p.max_seqlen == 9  # nothing read: a bound stands in for the longest
+        for name in ("cu_seqlens", "position_ids", "seq_ids"):
+            assert torch.equal(getattr(p, name), getattr(ref, name)), name
+        assert p.host_lengths() == ref.lengths and p.max_seqlen == max(lengths)  # read on demand
+
+
+def test_from_attention_mask_matches_from_lengths_and_keeps_the_padded_order():
+    mask = torch.tensor([[0, 1, 1, 1], [0, 0, 0, 0], [1, 1, 0, 0]])
+    p = PackedBatch.from_attention_mask(mask)
+    ref = PackedBatch.from_lengths([3, 0, 2])
+    assert p.lengths == ref.lengths and p.max_seqlen == 3 and p.padded_shape == (3, 4)
+    for name in ("cu_seqlens", "position_ids", "seq_ids"):
+        assert torch.equal(getattr(p, name), getattr(ref, name)), name
+    assert p.indices.tolist() == [1, 2, 3, 8, 9]
 
 
 def test_from_sequences_concatenates_into_one_row():

@@ -146,6 +146,40 @@ def test_unpatch_restores_the_model_bit_for_bit():
     assert torch.equal(model(input_ids=ids, attention_mask=mask).logits, before_logits)
 
 
+def test_patching_one_model_leaves_another_built_from_the_same_config_as_it_was():
+    """A reference or teacher model built from the same config object: the pass changes
+    nothing it shares, so its forward runs as before; unpatching gives the config back."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    ours, other = transformers.LlamaForCausalLM(config), transformers.LlamaForCausalLM(config)
+    ours.load_state_dict(other.state_dict())
+    holders = [m for m in ours.modules() if vars(m).get("config") is config]
+    assert other.config is config and len(holders) > 1
+    ids, mask, labels = _padded([6, 9, 3])
+    before = other(input_ids=ids, attention_mask=mask, labels=labels)
+    apply_varlen(ours)
+    assert config._attn_implementation == "sdpa" and all(vars(m).get("config") is config for m in other.modules()
+                                                         if "config" in vars(m))
+    after = other(input_ids=ids, attention_mask=mask, labels=labels)
+    assert torch.equal(after.logits, before.logits) and torch.equal(after.loss, before.loss)
+    packed = ours(input_ids=ids, attention_mask=mask, labels=labels)
+    torch.testing.assert_close(packed.loss, before.loss, rtol=1e-5, atol=1e-6)
+    unpatch_varlen(ours)
+    assert [m for m in ours.modules() if vars(m).get("config") is config] == holders
+    assert config._attn_implementation == "sdpa"
+    assert torch.equal(ours(input_ids=ids, attention_mask=mask, labels=labels).logits, before.logits)
+
+
+def test_an_attention_changed_after_the_patch_is_refused_not_run_across_sequences():
+    model = apply_varlen(_model())
+    model.config._attn_implementation = "sdpa"  # e.g. set_attn_implementation on the patched model
+    ids, mask, _ = _padded([6, 3])
+    with pytest.raises(RuntimeError, match="would attend across sequence boundaries"):
+        model(input_ids=ids, attention_mask=mask)
+
+
 def test_a_patched_model_pickles_and_its_copy_runs_packed_in_a_new_process(tmp_path):
     """What a compile process does with the model (``CompileConfig.background``): the copy finds
     its attention function registered and gives this process's loss, bit for bit."""

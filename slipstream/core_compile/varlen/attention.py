@@ -4,14 +4,24 @@ One entry point, :func:`varlen_attention`, dispatches to a kernel:
 
 - ``"flash"``: ``flash_attn.flash_attn_varlen_func`` (CUDA, fp16/bf16, flash-attn installed);
 - ``"torch_varlen"``: ``torch.nn.attention.varlen.varlen_attn`` (CUDA, fp16/bf16, torch >= 2.9);
-- ``"flex"``: FlexAttention with a document mask built from ``seq_ids``; backward needs CUDA
-  (torch refuses FlexAttention backward on CPU), so on CPU it serves no-grad passes only;
+- ``"flex"``: FlexAttention with a document mask built from ``seq_ids``. On CUDA it always runs
+  compiled (eager FlexAttention computes the full ``(total, total)`` score matrix), so it needs
+  triton; backward needs CUDA (torch refuses FlexAttention backward on CPU), so on CPU it serves
+  no-grad passes only;
 - ``"sdpa"``: exact per-sequence ``scaled_dot_product_attention``, one call per sequence; runs
-  everywhere, the CPU training path.
+  everywhere, the CPU training path. It splits the row by the host's lengths: where the batch
+  was described on the device, reading them is a host sync, once per batch
+  (:meth:`~slipstream.core_compile.varlen.packing.PackedBatch.host_lengths`); it is never traced.
 
 ``"auto"`` picks the first that can run the call (device, dtype, grad, dropout). A named
 backend that cannot run the call raises instead of falling back: asking for a kernel and
-silently getting another would hide a misconfiguration.
+silently getting another would hide a misconfiguration. Resolving looks for packages
+(``find_spec``): the model pass resolves once per model and kind of call and hands the answer
+to every layer in :class:`VarlenContext`.
+
+The one-call backends (``flash``, ``torch_varlen``, ``flex``) read nothing from the host but the
+``max_seqlen`` int, so a decoder layer that calls them traces under ``torch.compile`` as one
+graph; the packed length and ``max_seqlen`` become symbolic after the first new value.
 """
 
 from __future__ import annotations
@@ -39,10 +49,23 @@ class VarlenContext:
     """Sequence boundaries of the packed row, already on the activations' device."""
     backend: str = "auto"
     """A name from :data:`BACKENDS` or ``"auto"``."""
-    calls: int = 0
-    """Attention calls served, checked by the model pass: a layer that bypassed us is an error."""
+    resolved: bool = False
+    """``backend`` is what :func:`resolve_backend` answered for these calls' tensors (the model
+    passes resolve once); otherwise every call resolves it."""
     block_masks: dict = field(default_factory=dict)
-    """FlexAttention block masks built this forward, per sliding window (built once, reused by layers)."""
+    """FlexAttention block masks per sliding window, built once per batch (see :meth:`block_mask`)."""
+
+    def block_mask(self, sliding_window: int | None, device: torch.device):
+        """FlexAttention's mask for this batch: causal inside each sequence, and inside the
+        window when there is one. Built once and kept; the model pass builds it before the
+        layers run, so a traced layer only reads it. On CUDA it is built compiled: eager
+        ``create_block_mask`` materialises a ``(total, total)`` boolean mask."""
+        mask = self.block_masks.get(sliding_window)
+        if mask is None:
+            mask = _document_mask(self.packed.seq_ids, sliding_window, self.packed.total_tokens, device)
+            if not torch.compiler.is_compiling():  # a traced layer keeps no state
+                self.block_masks[sliding_window] = mask
+        return mask
 
 
 def _why_not(backend: str, q: torch.Tensor, dropout: float) -> str | None:
@@ -67,6 +90,8 @@ def _why_not(backend: str, q: torch.Tensor, dropout: float) -> str | None:
     elif backend == "flex":
         if importlib.util.find_spec("torch.nn.attention.flex_attention") is None:
             return "this torch has no FlexAttention"
+        if cuda and importlib.util.find_spec("triton") is None:
+            return "FlexAttention runs compiled on CUDA, which needs triton"
         if not cuda and torch.is_grad_enabled() and q.requires_grad:
             return "FlexAttention has no backward on CPU"
         if dropout > 0:
@@ -101,14 +126,19 @@ def varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     ``(1, total_tokens, heads, head_dim)`` in the query's dtype, the layout Hugging Face
     attention functions return. ``sliding_window=W`` lets a token see itself and the ``W-1``
     tokens before it (Hugging Face's convention).
+
+    Host syncs: none with a one-call backend; ``sdpa`` reads the lengths where they are not on
+    the host yet (once per batch, :meth:`PackedBatch.host_lengths`). An unresolved ``ctx``
+    resolves its backend here, in every call.
     """
     if query.shape[0] != 1 or query.shape[2] != ctx.packed.total_tokens:
         raise ValueError(f"varlen attention expects (1, heads, {ctx.packed.total_tokens}, head_dim), "
                          f"got {tuple(query.shape)}")
-    backend = resolve_backend(ctx.backend, query, dropout)
-    ctx.calls += 1
+    backend = ctx.backend if ctx.resolved else resolve_backend(ctx.backend, query, dropout)
+    if dropout > 0 and backend in ("torch_varlen", "flex"):  # resolved for calls without dropout
+        raise RuntimeError(f"attention backend {backend!r} has no attention dropout")
     if backend == "sdpa":
-        return _sdpa(query, key, value, ctx.packed, scaling, sliding_window, dropout)
+        return _sdpa_untraced()(query, key, value, ctx.packed, scaling, sliding_window, dropout)
     if backend == "flex":
         return _flex(query, key, value, ctx, scaling, sliding_window)
     # flash kernels take (total_tokens, heads, head_dim)
@@ -154,7 +184,7 @@ def _sdpa(query, key, value, packed, scaling, sliding_window, dropout):
     # split, not narrow: split's backward is one cat of the per-sequence grads, where narrow's
     # would allocate and fill a full-size zero grad per sequence (profiled: 1.2 s of fill_ per
     # step on llama-20m, batch 8 of alpaca_en_demo, 2 CPU cores).
-    lengths = list(packed.lengths)  # host ints: no device sync
+    lengths = list(packed.host_lengths())  # a host sync only where the batch was built on the device
     outs = []
     for q, k, v in zip(*(t.split(lengths, dim=2) for t in (query, key, value))):
         length = q.shape[2]
@@ -167,20 +197,46 @@ def _sdpa(query, key, value, packed, scaling, sliding_window, dropout):
     return torch.cat(outs, dim=2).transpose(1, 2)
 
 
+_SDPA_UNTRACED = None
+
+
+def _sdpa_untraced():
+    """``torch.compiler.disable(_sdpa)``, for a caller that compiles its attention (the model
+    pass keeps the whole attention untraced for ``sdpa``): traced, the per-sequence loop would
+    make the lengths constants of a graph, one graph per batch; untraced, the caller's graph
+    stops before it and resumes after. Made on first use, not on import:
+    ``torch.compiler.disable`` imports dynamo."""
+    global _SDPA_UNTRACED
+    if _SDPA_UNTRACED is None:
+        _SDPA_UNTRACED = torch.compiler.disable(_sdpa)
+    return _SDPA_UNTRACED
+
+
 def _flex(query, key, value, ctx, scaling, sliding_window):
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import flex_attention
 
-    block_mask = ctx.block_masks.get(sliding_window)
-    if block_mask is None:
-        seq_ids = ctx.packed.seq_ids
-
-        def document_causal(b, h, q_idx, kv_idx):
-            keep = (seq_ids[q_idx] == seq_ids[kv_idx]) & (q_idx >= kv_idx)
-            return keep if sliding_window is None else keep & (q_idx - kv_idx < sliding_window)
-
-        n = ctx.packed.total_tokens
-        block_mask = create_block_mask(document_causal, None, None, n, n, device=query.device)
-        ctx.block_masks[sliding_window] = block_mask
-    out = flex_attention(query, key, value, block_mask=block_mask, scale=scaling,
-                         enable_gqa=query.shape[1] != key.shape[1])
+    attend = flex_attention
+    if query.device.type == "cuda" and not torch.compiler.is_compiling():
+        attend = _compiled(flex_attention)  # eager, it would compute the full score matrix
+    out = attend(query, key, value, block_mask=ctx.block_mask(sliding_window, query.device), scale=scaling,
+                 enable_gqa=query.shape[1] != key.shape[1])
     return out.transpose(1, 2)
+
+
+def _document_mask(seq_ids: torch.Tensor, sliding_window: int | None, total: int, device: torch.device):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def document_causal(b, h, q_idx, kv_idx):
+        keep = (seq_ids[q_idx] == seq_ids[kv_idx]) & (q_idx >= kv_idx)
+        return keep if sliding_window is None else keep & (q_idx - kv_idx < sliding_window)
+
+    build = create_block_mask
+    if torch.device(device).type == "cuda" and not torch.compiler.is_compiling():
+        build = _compiled(create_block_mask)
+    return build(document_causal, None, None, total, total, device=device)
+
+
+@functools.cache
+def _compiled(fn):
+    """``torch.compile(fn)``, made once per process: its graphs are cached across batches."""
+    return torch.compile(fn)

@@ -6,7 +6,8 @@ per optimizer step and the number of steps do not change; nothing is repacked ac
 batches) and sets label ``-100`` at every sequence start, so no token learns to predict the
 first token of the next sequence. The keys it returns are the ones transformers' own
 flash-attention path reads (``position_ids``, ``cu_seq_lens_q/k``, ``max_length_q/k``), so a
-batch means the same thing to the stock model under flash-attention and to the varlen pass.
+batch means the same thing to the stock model under flash-attention and to the varlen pass, plus
+``packed``, the same boundaries with their lengths on the host, which the stock model ignores.
 :func:`best_fit_decreasing` is the separate repacking mode (a ``batch_sampler``).
 """
 
@@ -56,7 +57,14 @@ class FlattenCollator:
     ``input_ids``, ``labels``, ``position_ids``: ``(1, total)`` int64;
     ``cu_seq_lens_q`` = ``cu_seq_lens_k``: ``(n+1,)`` int32 (``n`` samples, plus one for the
     filler when ``pad_to_multiple_of`` adds any); ``max_length_q`` = ``max_length_k``: Python
-    int, computed here on the host so the model never syncs.
+    int; ``packed``: a :class:`~slipstream.core_compile.varlen.packing.PackedBatch` of the row,
+    its lengths Python ints.
+
+    The lengths are known here, on the host; ``packed`` carries them past the step's copy to the
+    device, which moves only tensors (the Hugging Face ``Trainer``) or calls ``packed.to(device,
+    non_blocking=...)`` (accelerate), so the varlen pass never reads them back from a GPU. A
+    ``DataLoader(pin_memory=True)`` pins it (``PackedBatch.pin_memory``), and the pass copies it
+    without blocking.
     """
 
     def __init__(self, config: CollatorConfig | None = None) -> None:
@@ -88,6 +96,7 @@ class FlattenCollator:
             "cu_seq_lens_k": packed.cu_seqlens.clone(),
             "max_length_q": packed.max_seqlen,
             "max_length_k": packed.max_seqlen,
+            "packed": packed,
         }
 
     def _sample(self, index: int, feature: Mapping[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -3,8 +3,10 @@
 On the packed row everything in a decoder layer but attention is token-wise, and
 ``torch.compile`` fuses those element-wise ops. Each layer's ``forward`` becomes an instance
 wrapper that calls its own forward compiled with dynamic shapes (one graph for every packed
-length); the varlen attention stays eager: dynamo stops its graph there and resumes after it,
-so the per-sequence kernels and their host-side lengths never enter a graph. The layer's floats
+length). The per-sequence ``sdpa`` attention (the CPU path) stays eager: dynamo stops its graph
+there and resumes after it, so the per-sequence kernels and their host-side lengths never enter
+a graph. A one-call attention (flash, torch's varlen, flex) is traced with the layer, which is
+then one graph. The layer's floats
 are traced as constants (``floats_constant``): compiled cold, a float made symbolic cost a graph
 a second trace and AOT compile (llama-tiny: 6 compiles of 5 graphs).
 

@@ -14,25 +14,34 @@ positions restarting at 0; or an explicit ``packed=PackedBatch``. Generation-sty
 (a KV cache, ``use_cache=True``, ``logits_to_keep``, attention or hidden-state outputs) run
 the original forward with the original attention implementation.
 
-The patch is an instance-level ``forward`` plus a switch of ``config._attn_implementation``
-to an attention function registered in transformers' ``AttentionInterface`` (its official
-extension point); the original forward stays reachable (``model._slipstream_varlen.original_forward``).
+The patch is an instance-level ``forward`` plus an attention function registered in
+transformers' ``AttentionInterface`` (its official extension point), named by
+``_attn_implementation`` in the model's own shallow copy of its config: the config object the
+model was built with is shared by every model built from it (a reference or teacher model), and
+stays as it was. The original forward stays reachable (``model._slipstream_varlen.original_forward``).
 transformers is imported lazily: this module works on the model object, duck-typed.
+
+On a GPU: the collator's packed row costs no host sync (its lengths come on the host, in the
+batch's ``packed``); a row given only by ``cu_seq_lens_q`` costs none with a one-call attention
+(flash, torch's varlen, flex) and one with ``sdpa`` (the lengths read once per batch); a padded
+batch costs one (its per-row counts); a row given only by restarting ``position_ids`` costs three
+(its restarts found, read and checked). See docs/varlen.md.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import torch
 
 from ..._common.patch import change, forget, patch, unpatch as unpatch_attribute
 from ..._common.settings import Settings
-from .attention import BACKENDS, VarlenContext, varlen_attention
+from .attention import BACKENDS, VarlenContext, resolve_backend, varlen_attention
 from .fuse import fuse_layers, unfuse_layers
 from .packing import PackedBatch
 
@@ -40,8 +49,10 @@ __all__ = ["SUPPORTED_MODEL_TYPES", "VarlenConfig", "apply", "unpatch", "patched
 
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "qwen2", "mistral"})
 ATTENTION_NAME = "slipstream_varlen"
-# the same function, kept out of dynamo's graphs: the name compiled layers call
-ATTENTION_NAME_COMPILED = "slipstream_varlen_compiled"
+# the same function kept out of dynamo's graphs, for the per-sequence sdpa: a compiled layer's
+# graph stops at the attention call. (Traced into, it stopped deeper, at the sdpa call, and
+# llama-tiny's compiled layers took 6 graphs and 11 frames to compile, against 5 and 8.)
+ATTENTION_NAME_UNTRACED = "slipstream_varlen_untraced"
 _MARKER = "_slipstream_varlen"
 _OWNER = "varlen"  # its entries in the patch registry
 _GENERATION_ARGS = ("past_key_values", "use_cache", "output_attentions", "output_hidden_states")
@@ -77,31 +88,37 @@ class _PatchState:
     original_forward: Any  # None when the top-level forward was wrapped by another library
     original_backbone_forward: Any
     original_attn_implementation: str | None
-    attn_name: str = ATTENTION_NAME
+    # the config object the model was built with (others may share it), and the model's own
+    # copy that names the varlen attention: every submodule that held the one holds the other
+    shared_config: Any
+    own_config: Any
+    # the backend per kind of call, (device type, dtype, grad, dropout) -> name: resolving looks
+    # for packages, once per model rather than in every layer
+    backends: dict = field(default_factory=dict)
 
     def __setstate__(self, state: dict) -> None:
         """A patched model unpickled in another process (a compile process) finds its attention."""
         self.__dict__.update(state)
-        _register(self.attn_name)
+        _register()
 
 
 _resolve_untraced = None
 """``torch.compiler.disable(_resolve_packed)``, made by ``_register``."""
 
 
-def _register(attn_name: str) -> None:
-    """Register ``attn_name``'s attention function with transformers, and make
-    ``_resolve_untraced``, once per process. Made when a model is patched, not on import:
-    ``torch.compiler.disable`` imports dynamo, which adds a device backend to
-    torch.distributed's map, and ``import slipstream`` changes nothing of torch's."""
+def _register() -> None:
+    """Register the attention functions with transformers, and make ``_resolve_untraced``, once
+    per process. Made when a model is patched, not on import: ``torch.compiler.disable`` imports
+    dynamo, which adds a device backend to torch.distributed's map, and ``import slipstream``
+    changes nothing of torch's."""
     global _resolve_untraced
     from transformers import AttentionInterface
 
     if _resolve_untraced is None:
         _resolve_untraced = torch.compiler.disable(_resolve_packed)
-    if attn_name not in AttentionInterface._global_mapping:
-        compiled = attn_name == ATTENTION_NAME_COMPILED
-        AttentionInterface.register(attn_name, torch.compiler.disable(_hf_attention) if compiled else _hf_attention)
+    if ATTENTION_NAME not in AttentionInterface._global_mapping:
+        AttentionInterface.register(ATTENTION_NAME, _hf_attention)
+        AttentionInterface.register(ATTENTION_NAME_UNTRACED, torch.compiler.disable(_hf_attention))
 
 
 def is_patched(model: torch.nn.Module) -> bool:
@@ -153,16 +170,18 @@ def apply(model: torch.nn.Module, config: VarlenConfig | None = None) -> torch.n
             raise ValueError("model is already patched with a different VarlenConfig; unpatch it first")
         return model
     _check_supported(model)
-    attn_name = ATTENTION_NAME
     if config.compile:
         fuse_layers(model.model.layers)  # first: it raises before changing anything
-        attn_name = ATTENTION_NAME_COMPILED
-    _register(attn_name)
+    _register()
     wrapped = "forward" in vars(model)  # by accelerate, TRL's fused LM head, another patch: kept
+    shared = model.config
+    own = copy.copy(shared)  # Llama-family configs have no sub-configs for the setter to reach
+    own._attn_implementation = ATTENTION_NAME
     state = _PatchState(config=config, original_forward=None if wrapped else model.forward,
                         original_backbone_forward=model.model.forward,
-                        original_attn_implementation=model.config._attn_implementation, attn_name=attn_name)
-    model.config._attn_implementation = attn_name
+                        original_attn_implementation=shared._attn_implementation, shared_config=shared,
+                        own_config=own)
+    _swap_config(model, shared, own)
     setattr(model, _MARKER, state)
     setattr(model.model, _MARKER, state)
     # partial, not a bound method: a copy of the model pickles (a bound method pickles by its
@@ -171,7 +190,7 @@ def apply(model: torch.nn.Module, config: VarlenConfig | None = None) -> torch.n
     if not wrapped:
         patch(model, "forward", functools.partial(_varlen_forward, model), owner=_OWNER)
     ref = weakref.ref(model)
-    change((_OWNER, id(model)), f"{type(model).__name__}: padding removed, attention {attn_name}",
+    change((_OWNER, id(model)), f"{type(model).__name__}: padding removed, attention {ATTENTION_NAME}",
            lambda: ref() is not None and unpatch(ref()), owner=_OWNER, target=model)
     return model
 
@@ -187,8 +206,15 @@ def unpatch(model: torch.nn.Module) -> torch.nn.Module:
     unpatch_attribute(model.model, "forward")
     vars(model.model).pop(_MARKER, None)
     unfuse_layers(model.model.layers)
-    model.config._attn_implementation = state.original_attn_implementation
+    _swap_config(model, state.own_config, state.shared_config)
     return model
+
+
+def _swap_config(model: torch.nn.Module, old, new) -> None:
+    """Every submodule of ``model`` that holds the config ``old`` holds ``new`` instead."""
+    for module in model.modules():
+        if vars(module).get("config") is old:
+            module.config = new
 
 
 @contextlib.contextmanager
@@ -205,12 +231,14 @@ def patched(model: torch.nn.Module, config: VarlenConfig | None = None) -> Itera
 
 @contextlib.contextmanager
 def _original_attention(model):
-    state = vars(model)[_MARKER]
-    model.config._attn_implementation = state.original_attn_implementation
+    """The model's own config names the original attention for a generation-style call."""
+    own = vars(model)[_MARKER].own_config
+    ours = own._attn_implementation
+    own._attn_implementation = vars(model)[_MARKER].original_attn_implementation
     try:
         yield
     finally:
-        model.config._attn_implementation = state.attn_name
+        own._attn_implementation = ours
 
 
 def _wants_original(kwargs, logits_to_keep=0) -> bool:
@@ -222,18 +250,26 @@ def _resolve_packed(kwargs, attention_mask, input_ids, inputs_embeds, position_i
     """The packed metadata for this call, whether the inputs are in padded layout, and
     ``[input_ids, inputs_embeds, position_ids, *more]`` on the packed row.
 
-    Called as ``_resolve_untraced``, never traced by ``torch.compile``: it reads the boundaries
-    to the host (``tolist``), so a traced copy broke into 8 small graphs around it (llama-20m,
-    ``dynamic=True``), each traced and compiled, one of them not cacheable (a ``torch.tensor``
-    of the lengths). Run as it is, it is one break, and its tensors are the next graph's inputs."""
+    Where the boundaries come from, in order: ``packed`` (the collator's, lengths on the host:
+    copied to the device without blocking); ``cu_seq_lens_q`` with the host's ``max_length_q``
+    (built on the device, no sync); restarting ``position_ids`` of one row (read on the host);
+    ``attention_mask`` (one read of the per-row counts).
+
+    Called as ``_resolve_untraced``, never traced by ``torch.compile``: a padded batch's count
+    read and the packed row's data-dependent length would break a traced copy into 8 small
+    graphs (llama-20m, ``dynamic=True``), each traced and compiled, one of them not cacheable
+    (a ``torch.tensor`` of the lengths). Run as it is, it is one break, and its tensors are the
+    next graph's inputs."""
     packed = kwargs.pop("packed", None)
     cu = kwargs.pop("cu_seq_lens_q", None)
-    for name in ("cu_seq_lens_k", "max_length_q", "max_length_k"):
+    max_length = kwargs.pop("max_length_q", None)
+    for name in ("cu_seq_lens_k", "max_length_k"):
         kwargs.pop(name, None)  # describe the same boundaries as cu_seq_lens_q
     tokens = input_ids if input_ids is not None else inputs_embeds
     tensors = [input_ids, inputs_embeds, position_ids, *more]
     if packed is None and cu is not None:
-        packed = PackedBatch.from_cu_seqlens(cu)  # host sync if cu is on a GPU
+        packed = PackedBatch.from_cu_seqlens(cu, total_tokens=tokens.shape[1],
+                                             max_seqlen=max_length if isinstance(max_length, int) else None)
     if packed is not None:
         if attention_mask is not None and not bool(attention_mask.all()):
             raise ValueError("a packed batch cannot also carry padding in attention_mask")
@@ -287,15 +323,43 @@ def _packed_hidden(inner, state: _PatchState, packed: PackedBatch, input_ids, in
     hidden = inner.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
     positions = packed.position_ids if position_ids is None else position_ids
     rotary = inner.rotary_emb(hidden, positions)
-    ctx = VarlenContext(packed=packed, backend=state.config.backend)
     layers = inner.layers[: inner.config.num_hidden_layers]
+    ctx = _context(inner, state, packed, hidden, layers)
     for layer in layers:
         hidden = layer(hidden, attention_mask=None, position_embeddings=rotary, position_ids=positions,
                        slipstream_varlen=ctx, **kwargs)
-    if ctx.calls < len(layers):
-        raise RuntimeError(f"only {ctx.calls} of {len(layers)} attention layers went through the varlen attention; "
-                           "the others would attend across sequence boundaries")
     return inner.norm(hidden)
+
+
+def _context(inner, state: _PatchState, packed: PackedBatch, hidden: torch.Tensor, layers) -> VarlenContext:
+    """What every layer's attention gets this forward: the metadata, the backend (resolved once
+    per model and kind of call) and, for FlexAttention, its masks, built here so that a traced
+    layer only reads them. The model's config names the traced attention for a one-call
+    backend, the untraced one for ``sdpa``.
+
+    Checked here, not counted in the attention: a layer whose config names another attention
+    (a ``set_attn_implementation`` after the patch) would attend across sequence boundaries,
+    and a count kept by the attention would be state a traced layer cannot keep."""
+    own = state.own_config
+    for i, layer in enumerate(layers):
+        if layer.self_attn.config is not own or own._attn_implementation not in (ATTENTION_NAME,
+                                                                                 ATTENTION_NAME_UNTRACED):
+            raise RuntimeError(f"layer {i} runs attention {layer.self_attn.config._attn_implementation!r}, not the "
+                               "varlen attention: it would attend across sequence boundaries")
+    dropout = getattr(inner.config, "attention_dropout", 0.0) if inner.training else 0.0
+    grad = torch.is_grad_enabled() and hidden.requires_grad
+    key = (hidden.device.type, hidden.dtype, grad, dropout > 0)
+    backend = state.backends.get(key)
+    if backend is None:
+        backend = state.backends[key] = resolve_backend(state.config.backend, hidden, dropout)
+    name = ATTENTION_NAME_UNTRACED if backend == "sdpa" else ATTENTION_NAME
+    if own._attn_implementation != name:
+        own._attn_implementation = name
+    ctx = VarlenContext(packed=packed, backend=backend, resolved=True)
+    if backend == "flex":
+        for window in {getattr(layer.self_attn, "sliding_window", None) for layer in layers}:
+            ctx.block_mask(window, hidden.device)
+    return ctx
 
 
 def _varlen_backbone_forward(self, input_ids=None, attention_mask=None, position_ids=None, past_key_values=None,

@@ -9,15 +9,23 @@ attended inside each sequence with the kernel ``slipstream.core_compile`` picks:
 What the THD path cannot compute it refuses by name (``_check``): another ``qkv_format``, cross
 attention, padded offsets that differ from the real ones (context parallelism), attention bias,
 a softmax offset, sliding windows and non-causal masks.
+
+A batch's metadata is built once, by the first attention call that sees its
+``PackedSeqParams``, and read by the other layers (``_batch_context``): one read of the offsets
+to the host per micro-batch (a host sync on a GPU), which checks that they cover the tokens and
+gives the per-sequence ``sdpa`` its lengths. (megatron-core's own THD rotary embedding reads
+them again in every layer, ``_apply_rotary_pos_emb_thd``.)
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass, field
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
-from ...core_compile.varlen.attention import VarlenContext, varlen_attention
+from ...core_compile.varlen.attention import VarlenContext, resolve_backend, varlen_attention
 from ...core_compile.varlen.packing import PackedBatch
 from ..._common.patch import is_patched, patch, uninstall_all
 
@@ -34,17 +42,13 @@ def packed_attention(module, query, key, value, attn_mask_type, attention_bias, 
     ``query``: ``(t, heads, head_dim)``, ``key``/``value``: ``(t, groups, head_dim)`` (megatron
     squeezes the batch dimension of THD inputs). Returns ``(t, heads * head_dim)``."""
     _check(module, query, attn_mask_type, attention_bias, packed_seq_params)
-    packed = PackedBatch.from_cu_seqlens(packed_seq_params.cu_seqlens_q)
-    if packed.total_tokens != query.shape[0]:
-        raise ValueError(f"packed_seq_params.cu_seqlens_q covers {packed.total_tokens} tokens; the query has "
-                         f"{query.shape[0]}")
     config = module.config
     # megatron divides softmax_scale by the layer number under apply_query_key_layer_scaling and
     # multiplies the scores back in its softmax: the product is the scale attention uses
     scale = module.softmax_scale * (module.layer_number if config.apply_query_key_layer_scaling else 1)
     dropout = module.attention_dropout.p if module.training else 0.0
     q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (query, key, value))  # (1, heads, t, head_dim)
-    ctx = VarlenContext(packed=packed, backend=backend)
+    ctx = _batch_context(packed_seq_params, q, backend, dropout)
     if dropout > 0 and not config.sequence_parallel:  # the stock layer's RNG for attention dropout
         from megatron.core import tensor_parallel
 
@@ -53,6 +57,47 @@ def packed_attention(module, query, key, value, attn_mask_type, attention_bias, 
     else:
         out = varlen_attention(q, k, v, ctx, scaling=scale, dropout=dropout)
     return out[0].reshape(query.shape[0], -1)  # (1, t, heads, head_dim) -> (t, heads * head_dim)
+
+
+@dataclass(kw_only=True, eq=False)
+class _Batch:
+    """One micro-batch's metadata, kept while its ``PackedSeqParams`` lives."""
+
+    cu: torch.Tensor
+    """The offsets it was built from, and their version: a params object whose offsets were
+    replaced or written to since is built again."""
+    version: int
+    packed: PackedBatch
+    contexts: dict = field(default_factory=dict)
+    """(backend asked, device type, dtype, grad, dropout) -> the ``VarlenContext`` of those calls."""
+
+
+_BATCHES = WeakIdKeyDictionary()
+"""``PackedSeqParams`` -> :class:`_Batch`. Keyed by the object (a dataclass compares by value,
+and a tensor's ``==`` is elementwise), weakly: megatron builds one per micro-batch."""
+
+
+def _batch_context(params, q: torch.Tensor, backend: str, dropout: float) -> VarlenContext:
+    """The context every attention call of this batch shares; built by the first.
+
+    ``q``: ``(1, heads, t, head_dim)``. Host sync: the first call reads the offsets, to check
+    that they cover the ``t`` tokens (and they give ``sdpa`` its lengths)."""
+    cu = params.cu_seqlens_q
+    version = -1 if cu.is_inference() else cu._version  # inference tensors keep no version
+    batch = _BATCHES.get(params)
+    if batch is None or batch.cu is not cu or batch.version != version:
+        max_seqlen = params.max_seqlen_q if isinstance(params.max_seqlen_q, int) else None
+        packed = PackedBatch.from_cu_seqlens(cu, total_tokens=q.shape[2], max_seqlen=max_seqlen)
+        covered = sum(packed.host_lengths())
+        if covered != q.shape[2]:
+            raise ValueError(f"packed_seq_params.cu_seqlens_q covers {covered} tokens; the query has {q.shape[2]}")
+        batch = _BATCHES[params] = _Batch(cu=cu, version=version, packed=packed)
+    key = (backend, q.device.type, q.dtype, torch.is_grad_enabled() and q.requires_grad, dropout > 0)
+    ctx = batch.contexts.get(key)
+    if ctx is None:
+        ctx = batch.contexts[key] = VarlenContext(packed=batch.packed.to(q.device, non_blocking=True),
+                                                  backend=resolve_backend(backend, q, dropout), resolved=True)
+    return ctx
 
 
 def _check(module, query, attn_mask_type, attention_bias, params) -> None:
