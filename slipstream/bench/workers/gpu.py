@@ -59,11 +59,12 @@ def versions(ctx: dict, rows: Rows, deadline: float) -> dict:
     """Python, torch (its CUDA and NCCL), transformers, deepspeed, flash-attn, the GPU, slipstream."""
     import torch
 
+    from slipstream._common.version import __version__
     from slipstream.bench.report import machine, version
 
     found = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
              "transformers": version("transformers"), "deepspeed": version("deepspeed"),
-             "flash_attn": version("flash_attn") or version("flash-attn"), "slipstream": version("slipstream"),
+             "flash_attn": version("flash_attn") or version("flash-attn"), "slipstream": version("slipstream") or __version__,
              "commit": _commit(ctx["repo"])}
     rows.add("python", found["python"])
     nccl = _nccl_version() if torch.cuda.is_available() else None
