@@ -136,17 +136,24 @@ def _run_here(argv: list[str]) -> str | None:
     return None
 
 
+FLEX_S = 90.0
+"""The most a ``flex`` run may take: on an H100 (2026-11-28) its compiled step had not finished
+in 164 s, the rest of the stage's time, and the stages after it ran short."""
+
+
 def _run_flex(argv: list[str], deadline: float) -> str | None:
-    """One ``bench varlen`` run in a process of its own, within the stage's time (FlexAttention
-    compiles its kernels); why it failed, or None."""
-    left = deadline - time.monotonic() - 5
+    """One ``bench varlen`` run in a process of its own, within ``FLEX_S`` and the stage's time
+    (FlexAttention compiles its kernels); why it failed, or None."""
+    left = min(FLEX_S, deadline - time.monotonic() - 5)
     if left < 10:
         return f"not run: {max(left, 0):.0f} s left of the stage's time"
     try:
         done = subprocess.run([sys.executable, "-m", "slipstream.bench.workers.gpu_varlen", "--", *argv],
                               capture_output=True, text=True, timeout=left)
-    except subprocess.TimeoutExpired:
-        return f"timed out after {left:.0f} s (the rest of the stage's time)"
+    except subprocess.TimeoutExpired as e:
+        said = (e.stderr or b"").decode(errors="replace").strip().splitlines() if isinstance(e.stderr, bytes) \
+            else (e.stderr or "").strip().splitlines()
+        return f"timed out after {left:.0f} s" + (f"; its last line: {said[-1][:200]}" if said else "")
     sys.stdout.write(done.stdout[-4000:] + done.stderr[-4000:])
     if done.returncode != 0:
         return next((line for line in reversed(done.stderr.splitlines()) if line.strip()),
