@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from slipstream.cluster.worker import cores_per_rank, in_turns, run_worker, time_from_barrier
+from slipstream.core_comm.tuner.measure import call_collective
 
 __all__ = ["measure"]
 
@@ -46,15 +47,6 @@ def _via_host(op: str, out: torch.Tensor, inp: torch.Tensor) -> None:
     host_out = host_in if op == "all_reduce" else out.cpu()
     _gloo(op, host_out, host_in)
     (inp if op == "all_reduce" else out).copy_(host_out)
-
-
-def _ours(comm, op: str, out: torch.Tensor, inp: torch.Tensor) -> None:
-    if op == "all_reduce":
-        comm.all_reduce(inp)
-    elif op == "reduce_scatter":
-        comm.reduce_scatter(out, inp)
-    else:
-        comm.all_gather(out, inp)
 
 
 def _sync(device: torch.device) -> None:
@@ -143,7 +135,7 @@ def _measure_op(comm, op: str, numel: int, dtype, device, world: int, args) -> d
     stock, label, ref = _stock_call(case)
 
     def ours(o, out, inp):
-        _ours(comm, o, out, inp)
+        call_collective(comm, o, out, inp)
 
     diff = (case.result(ours).double() - ref.double()).abs().max().item()
     tol = _tolerance(op, ref, world, dtype)
