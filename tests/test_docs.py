@@ -89,3 +89,19 @@ def test_the_readme_keeps_the_two_commands_and_ci_runs_the_test_command():
         assert any(line.startswith(command) for line in readme.splitlines()), f"README lost: {command}"
     ci = read(".ci/run")
     assert INSTALL_AND_TEST in ci.splitlines(), ".ci/run must run the README's test command"
+
+
+README_LINES, README_WORDS, CELL_CHARS = 110, 900, 250  # a five-minute read; one fact a cell
+
+
+def _long_cells(page: str) -> list[str]:
+    rows = (line for line in _FENCE.sub("", read(page)).splitlines() if line.startswith("|"))
+    return [cell.strip()[:60] for row in rows for cell in row.split("|") if len(cell.strip()) > CELL_CHARS]
+
+
+def test_the_readme_is_a_short_read_and_no_table_cell_is_a_paragraph():
+    readme = read("README.md")
+    lines, words = len(readme.splitlines()), len(readme.split())
+    assert lines < README_LINES and words < README_WORDS, f"README: {lines} lines, {words} words"
+    long = {page: cells for page in doc_files() if (cells := _long_cells(page))}
+    assert not long, f"table cells over {CELL_CHARS} characters: {long}"
