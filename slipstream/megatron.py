@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 
+from ._common import lazy
 from .plugins.megatron import (add_arguments, chain, disable_compile, disable_packed_attention, enable_compile,
                                enable_packed_attention, local_spec, name_backend, pack_batch, packed_attention,
                                process_groups, read_arguments, restore_process_groups)
@@ -29,9 +30,4 @@ def initialize(args: argparse.Namespace) -> bool:
     return True
 
 
-def __getattr__(name: str):
-    if name == "PackedDotProductAttention":  # a subclass of megatron's: built on first use
-        from .plugins import megatron
-
-        return megatron.PackedDotProductAttention
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__, __dir__ = lazy.attributes(__name__, {"PackedDotProductAttention": ".plugins.megatron"})

@@ -5,13 +5,12 @@ the tuner (``tuner/``), the ``slipstream`` backend (``backend/``) and per-path c
 (``counters``). Never imports an optional framework.
 """
 
-from . import counters, pool
-from .collectives.shm import ShmComm, ShmError
-from .communicator import Communicator
-from .config import CommConfig
-from .routing import Choice, Plan
-from .topology import Topology, detect_topology
-from .work import Work
+from .._common import lazy
 
 __all__ = ["Choice", "CommConfig", "Communicator", "Plan", "ShmComm", "ShmError", "Topology", "Work", "counters",
            "detect_topology", "pool"]
+
+__getattr__, __dir__ = lazy.attributes(__name__, {
+    "counters": ".counters", "pool": ".pool", "ShmComm": ".collectives.shm", "ShmError": ".collectives.shm",
+    "Communicator": ".communicator", "CommConfig": ".config", "Choice": ".routing", "Plan": ".routing",
+    "Topology": ".topology", "detect_topology": ".topology", "Work": ".work"})

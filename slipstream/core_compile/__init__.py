@@ -12,15 +12,7 @@ Apply the pass, collate flat, normalise the loss per step::
     loss = model(**batch).loss                        # exact, on real tokens only
 """
 
-from .varlen.attention import BACKENDS, available_backends, varlen_attention
-from .autotune.api import compile, compile_report, uncompile
-from .autotune.config import CompileConfig, CompileFallbackWarning, CompileReport
-from .varlen.collator import CollatorConfig, FlattenCollator, best_fit_decreasing
-from .varlen.loss import GradReduction, count_target_tokens, global_token_count, step_loss, sum_cross_entropy
-from .varlen.packing import PackedBatch
-from .varlen.sampler import TokenBalancedBatchSampler, balance
-from .varlen.hf_model import SUPPORTED_MODEL_TYPES, VarlenConfig, apply as apply_varlen
-from .varlen.hf_model import is_patched as is_varlen_patched, patched as varlen_patched, unpatch as unpatch_varlen
+from .._common import lazy
 
 __all__ = [
     "BACKENDS", "SUPPORTED_MODEL_TYPES", "CollatorConfig", "CompileConfig", "CompileFallbackWarning", "CompileReport",
@@ -29,3 +21,16 @@ __all__ = [
     "global_token_count", "is_varlen_patched", "step_loss", "sum_cross_entropy", "uncompile", "unpatch_varlen",
     "varlen_attention", "varlen_patched",
 ]
+
+__getattr__, __dir__ = lazy.attributes(__name__, {
+    **dict.fromkeys(["BACKENDS", "available_backends", "varlen_attention"], ".varlen.attention"),
+    **dict.fromkeys(["compile", "compile_report", "uncompile"], ".autotune.api"),
+    **dict.fromkeys(["CompileConfig", "CompileFallbackWarning", "CompileReport"], ".autotune.config"),
+    **dict.fromkeys(["CollatorConfig", "FlattenCollator", "best_fit_decreasing"], ".varlen.collator"),
+    **dict.fromkeys(["GradReduction", "count_target_tokens", "global_token_count", "step_loss", "sum_cross_entropy"],
+                    ".varlen.loss"),
+    "PackedBatch": ".varlen.packing",
+    **dict.fromkeys(["TokenBalancedBatchSampler", "balance"], ".varlen.sampler"),
+    **dict.fromkeys(["SUPPORTED_MODEL_TYPES", "VarlenConfig"], ".varlen.hf_model"),
+    "apply_varlen": ".varlen.hf_model:apply", "is_varlen_patched": ".varlen.hf_model:is_patched",
+    "varlen_patched": ".varlen.hf_model:patched", "unpatch_varlen": ".varlen.hf_model:unpatch"})

@@ -42,10 +42,10 @@ from ..groups import new_gloo_group
 from ..ops import describe
 from ..routing import refusal
 from ..work import Work
+from . import BACKEND
 
 __all__ = ["BACKEND", "SlipstreamProcessGroup", "create_process_group"]
 
-BACKEND = "slipstream"
 
 log = logging.getLogger("slipstream.backend")
 

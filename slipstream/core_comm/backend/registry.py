@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 from ..._common.patch import change, patch
-from .process_group import BACKEND, SlipstreamProcessGroup, create_process_group
+from . import BACKEND
 
 __all__ = ["BACKEND", "install_barrier_shim", "record_tables", "register"]
 
@@ -25,6 +25,8 @@ _MISSING = object()
 
 
 def _create_slipstream_group(dist_options, pg_options=None):
+    from .process_group import create_process_group  # the communicator's modules load with the first group
+
     install_barrier_shim()  # torch refuses monitored_barrier on a backend not named gloo
     return create_process_group(dist_options, pg_options)
 
@@ -87,6 +89,8 @@ def _monitored_barrier(original):
 
     @functools.wraps(original)
     def monitored_barrier(group=None, timeout=None, wait_all_ranks=False):
+        from .process_group import SlipstreamProcessGroup  # loaded: the shim comes with the first group
+
         target = group if group is not None else (c10d._get_default_group() if dist.is_initialized() else None)
         if not isinstance(target, SlipstreamProcessGroup):
             return original(group, timeout, wait_all_ranks)

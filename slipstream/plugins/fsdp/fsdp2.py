@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from ...core_comm import pool
 from ...core_comm.config import CommConfig
-from ..._common import record
+from ..._common import lazy, record
 from ..._common.record import note_stack, warn_once
 from ..._common.patch import change, forget, patch, unpatch
 from . import overlap as _overlap
@@ -84,12 +84,8 @@ def _classes():
     return SlipstreamAllGather, SlipstreamReduceScatter
 
 
-def __getattr__(name: str):
-    if name in ("SlipstreamAllGather", "SlipstreamReduceScatter"):
-        ag, rs = _classes()
-        globals().update(SlipstreamAllGather=ag, SlipstreamReduceScatter=rs)
-        return globals()[name]
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__, __dir__ = lazy.attributes(__name__, {"SlipstreamAllGather": lambda: _classes()[0],
+                                                  "SlipstreamReduceScatter": lambda: _classes()[1]})
 
 
 def apply(model: torch.nn.Module, config: CommConfig | None = None) -> list[str]:

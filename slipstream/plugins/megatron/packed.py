@@ -27,6 +27,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ...core_compile.varlen.attention import VarlenContext, resolve_backend, varlen_attention
 from ...core_compile.varlen.packing import PackedBatch
+from ..._common import lazy
 from ..._common.patch import is_patched, patch, uninstall_all
 
 __all__ = ["PackedDotProductAttention", "disable_packed_attention", "enable_packed_attention", "local_spec",
@@ -158,10 +159,7 @@ def _packed_class():
     return PackedDotProductAttention
 
 
-def __getattr__(name: str):
-    if name == "PackedDotProductAttention":  # built on first use: megatron-core is optional
-        return _packed_class()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__, __dir__ = lazy.attributes(__name__, {"PackedDotProductAttention": _packed_class})  # megatron's subclass
 
 
 def local_spec(*args, **kwargs):
