@@ -84,9 +84,13 @@ def test_short_run_writes_every_record(tmp_path):
     records = _run_short(tmp_path, impls)
     assert {(r["op"], r["size_bytes"], r["impl"]) for r in records} == {
         (op, size, impl) for op in comm.OPS for size in (4096, 65536) for impl in impls.split(",")}
+    bus_factor = {"allreduce": 2 * (2 - 1) / 2, "allgather": (2 - 1) / 2, "reduce_scatter": (2 - 1) / 2}  # nccl-tests
     for r in records:
         assert REQUIRED <= set(r)
-        assert r["time_s"] > 0 and r["busbw_gbps"] > 0 and r["bound_s"] > 0
+        assert r["algorithm"] == {"stock": "gloo", "slipstream": "shm"}[r["impl"]], r  # what ran is what is named
+        assert r["algbw_gbps"] == pytest.approx(r["size_bytes"] / r["time_s"] / 1e9, rel=1e-9)
+        assert r["busbw_gbps"] == pytest.approx(r["algbw_gbps"] * bus_factor[r["op"]], rel=1e-9)
+        assert 0 < r["bound_s"] < r["time_s"]
 
 
 def _deepspeed_reason() -> str | None:

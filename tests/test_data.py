@@ -181,8 +181,8 @@ def test_batches_arrive_on_the_cuda_device_equal_to_the_source():
 
 
 def test_bench_loader_runs_the_three_loops_on_the_same_batches(tmp_path):
-    """The bench end to end (tiny): the plain, thread and process loops complete every step; the figure itself is a
-    measurement, reported, not asserted."""
+    """The bench end to end (tiny): the plain, thread and process loops get the same batches in the same order (each
+    batch's sum, compared by the bench); the figure itself is a measurement, reported, not asserted."""
     import json
 
     from slipstream.cli import main
@@ -193,4 +193,5 @@ def test_bench_loader_runs_the_three_loops_on_the_same_batches(tmp_path):
     record = json.loads(out.read_text())
     assert len(record["rounds"]) == 2 and all(r["collate_s"] > 0 for r in record["rounds"])
     assert all(r["process_s"] > 0 for r in record["rounds"]) and "hidden_process_median" in record
+    assert all(r["same_batches"] for r in record["rounds"])  # each loop got the plain loop's batches, in order
     assert not _loader_threads() and not _loader_processes()

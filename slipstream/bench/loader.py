@@ -60,7 +60,9 @@ def _collate_fn(ms: float):
     def collate(i: int):
         for _ in range(reps - 1):
             once()
-        return once()
+        batch = once()
+        batch[0, 0] = i  # each batch its own, so a loop that drops or reorders one shows
+        return batch
 
     return collate
 
@@ -91,11 +93,13 @@ class _Collating:
             yield batch
 
 
-def _loop(batches, step) -> float:
-    t0 = time.perf_counter()
-    for _ in batches:
+def _loop(batches, step) -> tuple[float, list[float]]:
+    """The loop's seconds and each batch's sum, in the order the loop got them."""
+    sums, t0 = [], time.perf_counter()
+    for batch in batches:
         step()
-    return time.perf_counter() - t0
+        sums.append(float(batch.sum()))
+    return time.perf_counter() - t0, sums
 
 
 def run(args: argparse.Namespace) -> int:
@@ -112,16 +116,17 @@ def run(args: argparse.Namespace) -> int:
     kinds = ("plain", "thread", "process")
     rounds = []
     for r in range(args.repeats):
-        times, collated = {}, 0.0
+        times, sums, collated = {}, {}, 0.0
         for kind in turns(kinds, r):
             source = _Collating(collate, args.steps)
             batches = source if kind == "plain" else AsyncLoader(source, process=kind == "process")
-            times[kind] = _loop(batches, step)
+            times[kind], sums[kind] = _loop(batches, step)
             if kind == "plain":
                 collated = source.seconds
         hidden = {k: (times["plain"] - times[k]) / collated if collated else float("nan") for k in kinds[1:]}
         rounds.append({"plain_s": times["plain"], "async_s": times["thread"], "process_s": times["process"],
-                       "collate_s": collated, "hidden": hidden["thread"], "hidden_process": hidden["process"]})
+                       "collate_s": collated, "hidden": hidden["thread"], "hidden_process": hidden["process"],
+                       "same_batches": sums["thread"] == sums["plain"] == sums["process"]})
     record = {"steps": args.steps, "step_ms": args.step_ms, "collate_ms": args.collate_ms,
               "threads": torch.get_num_threads(), "rounds": rounds,
               "hidden_median": statistics.median(r["hidden"] for r in rounds),
