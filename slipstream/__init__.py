@@ -8,7 +8,7 @@ default for CPU, ``slipstream.disable()`` undoes that exactly, ``slipstream.stat
 what slipstream does in this process.
 """
 
-from ._common import lazy
+from ._common import lazy, record
 from ._common.version import __version__
 from .core_comm.backend.registry import register as _register
 from .switch import disable, enable, is_enabled
@@ -22,4 +22,12 @@ __getattr__, __dir__ = lazy.attributes(__name__, {
     **dict.fromkeys(["compile", "compile_report", "uncompile"], ".core_compile.autotune.api"),
     "CompileConfig": ".core_compile.autotune.config"})
 
+
+def _announce() -> None:
+    from ._status import announce
+
+    announce()
+
+
+record.on_start(_announce)  # the start line, when a job first uses slipstream
 _register()

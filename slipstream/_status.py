@@ -129,7 +129,3 @@ def _flag(name: str, default: bool) -> bool:
         return parse_bool(raw) if raw.strip() else default
     except ValueError:
         return default
-
-
-record.on_start(announce)
-pool.on_build(lambda group, comm: record.start())

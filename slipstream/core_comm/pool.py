@@ -4,7 +4,6 @@ adapters' stand-ins.
     comm = pool.for_call(group, tensor, op, kind="all_reduce")   # None: the group's own collective
     comm = pool.get(group)               # collective on first use: every member calls it
     pool.close(group)                    # that group's communicator only
-    pool.on_build(listener)              # listener(group, comm) after each communicator is built
 
 ``for_call`` is how an entry point asks the routing decision (``routing.decide``) before it
 touches a communicator: a call the decision leaves to the group's own collective (a CUDA
@@ -27,17 +26,17 @@ from __future__ import annotations
 import atexit
 import logging
 import threading
-from typing import Callable
 
 import torch
 import torch.distributed as dist
 
+from .._common import record
 from . import counters, routing
 from .communicator import Communicator
 from .config import CommConfig
 from .groups import release_groups
 
-__all__ = ["CommunicatorPool", "close", "close_all", "decide", "for_call", "get", "items", "on_build", "peek", "stayed"]
+__all__ = ["CommunicatorPool", "close", "close_all", "decide", "for_call", "get", "items", "peek", "stayed"]
 
 log = logging.getLogger("slipstream.comm")
 
@@ -45,7 +44,7 @@ log = logging.getLogger("slipstream.comm")
 class CommunicatorPool:
     """Communicators by process group (None: WORLD)."""
 
-    __slots__ = ("_comms", "_asked", "_warned", "_lock", "_exit_hook", "_listeners", "_decided", "_stayed")
+    __slots__ = ("_comms", "_asked", "_warned", "_lock", "_exit_hook", "_decided", "_stayed")
 
     def __init__(self) -> None:
         self._comms: dict = {}  # group -> Communicator
@@ -55,7 +54,6 @@ class CommunicatorPool:
         self._warned: set = set()  # (group, config) pairs already warned about
         self._lock = threading.RLock()
         self._exit_hook = False
-        self._listeners: list[Callable] = []
 
     def get(self, group: dist.ProcessGroup | None = None, *, config: CommConfig | None = None) -> Communicator:
         """The communicator of ``group``; built (collectively) on first use with ``config``
@@ -81,9 +79,7 @@ class CommunicatorPool:
                 # interpreter's end died with SIGABRT, 2 runs in 6, after an FSDP job)
                 atexit.register(self.close_all)
                 self._exit_hook = True
-            listeners = list(self._listeners)
-        for listener in listeners:
-            listener(key, comm)
+        record.start()  # a job uses slipstream now: the start line (unless an adapter defers it)
         return comm
 
     def decide(self, group, device_type: str, dtype, op=dist.ReduceOp.SUM, *,
@@ -124,12 +120,6 @@ class CommunicatorPool:
         the group's own (a CUDA tensor on NCCL), whether or not a communicator was built."""
         with self._lock:
             return [(g, dict(why)) for g, why in self._stayed.items() if _alive(g)]
-
-    def on_build(self, listener: Callable) -> None:
-        """Call ``listener(group, communicator)`` after each communicator is built."""
-        with self._lock:
-            if listener not in self._listeners:
-                self._listeners.append(listener)
 
     def peek(self, group: dist.ProcessGroup | None = None) -> Communicator | None:
         """The built communicator of ``group``, or None; never builds."""
@@ -216,4 +206,3 @@ peek = _POOL.peek
 items = _POOL.items
 close = _POOL.close
 close_all = _POOL.close_all
-on_build = _POOL.on_build
