@@ -2,9 +2,9 @@
 
     __getattr__, __dir__ = lazy.attributes(__name__, {"compile": ".core_compile.autotune.api", ...})
 
-A target is ``"module"`` (the attribute of the same name, or the module itself where it is the
-package's submodule of that name), ``"module:attr"`` or a function of no arguments that builds the value (a subclass of an optional framework's class). Relative module
-names resolve against the package. ``requires=(module, extra)`` names an optional framework: a
+A target is ``"module"`` (its attribute of the same name; ``".name"`` for ``name`` itself is the
+submodule), ``"module:attr"`` or a function of no arguments that builds the value (a subclass of
+an optional framework's class). Relative module names resolve against the package. ``requires=(module, extra)`` names an optional framework: a
 missing one raises an ImportError naming the extra to install. A loaded value is cached in the
 module, so each name costs one import.
 """
@@ -33,7 +33,7 @@ def attributes(module: str, table: Mapping[str, str | Callable[[], Any]], *,
         else:
             path, _, attr = target.partition(":")
             found = importlib.import_module(path, _package(module))
-            value = found if not attr and found.__name__.rpartition(".")[2] == name else getattr(found, attr or name)
+            value = found if path == "." + name else getattr(found, attr or name)
         setattr(sys.modules[module], name, value)
         return value
 
