@@ -1,7 +1,7 @@
 """Run a function on ``world_size`` CPU ranks with gloo and collect every rank's result.
 
-Children are forked from a forkserver that has imported torch once, so a test pays the
-import cost a single time rather than once per rank. Failures from every rank are reported
+Children are forked from a forkserver that has imported torch (and the stacks) once, so a test
+pays the import cost a single time rather than once per rank. Failures from every rank are reported
 together, and a rank that does not finish within ``timeout`` fails the test instead of
 hanging CI.
 """
@@ -17,7 +17,11 @@ from datetime import timedelta
 from typing import Any, Callable, Sequence
 
 _CTX = mp.get_context("forkserver")
-_CTX.set_forkserver_preload(["torch", "torch.distributed"])
+# The stacks the tests drive too, where installed (the server skips a missing one): each costs
+# 1-3 s a process to import on 2 cores, paid here once instead of by every rank of every test.
+# The start-up hook acts on DeepSpeed's import here as it would in each rank (its adapter does
+# nothing to a job without a "slipstream" section).
+_CTX.set_forkserver_preload(["torch", "torch.distributed", "deepspeed", "transformers", "megatron.core"])
 
 
 def free_port() -> int:

@@ -206,11 +206,12 @@ def _hsdp(rank, world, ours):
     weights = [p.full_tensor().detach() for p in model.parameters()]
     if ours:  # the user can tell what slipstream did
         import slipstream
+        from slipstream._status import line as status_line
 
         st = slipstream.status()
         assert st["enabled_by"] == "slipstream.fsdp.apply", st
         assert st["stacks"]["fsdp"]["modules_through_the_core"] == 4, st
-        assert "hsdp_replicate_all_reduce through the core" in slipstream._status.line(st), st
+        assert "hsdp_replicate_all_reduce through the core" in status_line(st), st
         fsdp.remove(model)
         from torch.distributed.fsdp._fully_shard import _fsdp_collectives
 

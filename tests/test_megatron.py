@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 import slipstream  # registers the backend (the ranks import this module)
+from slipstream._status import line as status_line
 from _dist import from_bytes as _load, run_ranks, to_bytes as _bytes
 from _megatron_optimizer import train as _optimizer_train
 
@@ -143,7 +144,7 @@ def test_the_argument_provider_parses_chains_and_refuses_bad_values(tmp_path):
     assert "--slipstream-varlen" in parser.format_help()
     try:
         assert not megatron.initialize(parser.parse_args(["--slipstream-varlen"]))
-        assert DotProductAttention.forward is not stock and "packed (THD)" in slipstream._status.line()
+        assert DotProductAttention.forward is not stock and "packed (THD)" in status_line()
     finally:
         megatron.disable_packed_attention()
     assert DotProductAttention.forward is stock
