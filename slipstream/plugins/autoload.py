@@ -1,8 +1,8 @@
 """Install each stack's adapter hook when that stack is imported, never importing it first.
 
 ``slipstream.enable()`` calls ``install_hooks()``: a stack already imported gets its hook at
-once; for one imported later, a finder on ``sys.meta_path`` (the start-up hook's design,
-``slipstream_autoload.AfterImport``) runs the hook right after the stack's module has
+once; for one imported later, a finder on ``sys.meta_path`` (the start-up hook's,
+``slipstream_after_import.AfterImport``) runs the hook right after the stack's module has
 executed, then removes itself. ``remove_hooks()`` undoes both exactly.
 """
 
@@ -13,7 +13,7 @@ import importlib.abc
 import importlib.util
 import sys
 
-from slipstream_autoload import AfterImport
+from slipstream_after_import import AfterImport
 
 __all__ = ["install_hooks", "remove_hooks"]
 

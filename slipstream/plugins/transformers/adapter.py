@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 import sys
 
-from slipstream_autoload import AfterImport
+from slipstream_after_import import AfterImport
 
 from ..._common.patch import patch, uninstall_all
 from ..._common.record import note_stack
