@@ -4,9 +4,10 @@
 
 A target is ``"module"`` (its attribute of the same name; ``".name"`` for ``name`` itself is the
 submodule), ``"module:attr"`` or a function of no arguments that builds the value (a subclass of
-an optional framework's class). Relative module names resolve against the package. ``requires=(module, extra)`` names an optional framework: a
-missing one raises an ImportError naming the extra to install. A loaded value is cached in the
-module, so each name costs one import.
+an optional framework's class). Relative module names resolve against the package.
+``requires=(module, extra)`` names an optional framework: a missing one raises an ImportError
+naming the extra to install. A loaded value is cached in the module, so each name costs one
+import.
 """
 
 from __future__ import annotations
