@@ -106,6 +106,44 @@ def test_owner_layout_groups_slices_by_owner_and_pads_to_the_largest():
         owner_layout([1], [2], 2)
 
 
+@pytest.mark.parametrize("numels", [[7, 5, 12], [12]], ids=["padded-and-interleaved", "one-divisible"])
+def test_zero3_deferral_lays_a_bucket_out_as_deepspeeds_reduce_scatter_coalesced(monkeypatch, numels):
+    """The ZeRO-3 deferral's own reduce-scatter against DeepSpeed's
+    ``reduce_scatter_coalesced`` on the same gradients, rank 1 of 3 (the call itself replaced
+    by a recorder in both): the same input on every real element, the same output slice, and
+    each gradient's result at the same place in it."""
+    import types
+
+    import deepspeed.comm as ds_dist
+    from deepspeed.runtime.comm import coalesced_collectives
+
+    from slipstream.plugins.deepspeed.overlap import _scatter_async
+
+    monkeypatch.setattr(ds_dist, "get_rank", lambda group=None: 1)
+    monkeypatch.setattr(ds_dist, "get_world_size", lambda group=None: 3)
+
+    def grads():
+        return [torch.arange(n, dtype=torch.float32) + 100 * i + 1 for i, n in enumerate(numels)]
+
+    theirs = {}
+    monkeypatch.setattr(coalesced_collectives, "_torch_reduce_scatter_fn",
+                        lambda flat, out, group=None, **_: theirs.update(flat=flat.clone(), out=out))
+    their_outputs = coalesced_collectives.reduce_scatter_coalesced(grads(), None)
+    ours = {}
+    monkeypatch.setattr(ds_dist, "reduce_scatter_fn", lambda out, flat, group=None, async_op=False: ours.update(
+        flat=flat.clone(), out=out))
+    params = [types.SimpleNamespace(grad=g) for g in grads()]
+    optimizer = types.SimpleNamespace(_get_param_partition_group=lambda param: None)
+    our_outputs, works = _scatter_async(optimizer, params)
+    assert works == []  # the recorder returned no handle, as a synchronous call does
+    assert ours["flat"].shape == theirs["flat"].shape
+    real = torch.cat([torch.arange(-(-n // 3)) < n - r * -(-n // 3) for r in range(3) for n in numels])
+    assert torch.equal(ours["flat"][real], theirs["flat"][real]) and not ours["flat"][~real].any()
+    assert ours["out"].shape == theirs["out"].shape
+    assert ours["out"].storage_offset() == theirs["out"].storage_offset()
+    for mine, their in zip(our_outputs, their_outputs, strict=True):
+        assert (mine.storage_offset(), mine.shape) == (their.storage_offset(), their.shape)
+
 def _env(*nodes):
     return [{"LOCAL_RANK": str(i), "SLIPSTREAM_NODE": str(n)} for i, n in enumerate(nodes)]
 
@@ -268,6 +306,92 @@ def test_zero3_gradient_buckets_reduce_while_backward_computes_bit_equal_to_bloc
         # time with a collective in flight while no caller waited (the core's timestamps)
         # than the blocking run's, whose only such time is the prefetch's
         assert running_on > 0 and overlapped["hidden_s"] > blocking["hidden_s"], (blocking, overlapped)
+
+
+_PATCHED_DEEPSPEED = ("deepspeed.runtime.engine", "deepspeed.runtime.zero.stage_1_and_2", "deepspeed.runtime.zero.stage3",
+                      "deepspeed.runtime.zero.partition_parameters", "deepspeed.runtime.zero.parameter_offload",
+                      "deepspeed.runtime.comm.coalesced_collectives", "deepspeed.comm.comm", "deepspeed.comm.torch")
+
+
+def _deepspeed_functions() -> dict:
+    """Every function, class, method and the communication backend that DeepSpeed's modules
+    and their classes hold (and torch's file baton, which the adapter also patches), by
+    where they are held."""
+    import sys
+    from types import ModuleType
+
+    held = {}
+    names = [n for n in sys.modules if n == "deepspeed" or n.startswith("deepspeed.")] + ["torch.utils.file_baton"]
+    for name in sorted(names):
+        module = sys.modules[name]
+        if not isinstance(module, ModuleType):
+            continue
+        for key, value in list(vars(module).items()):
+            if callable(value) or key == "cdb":
+                held[f"{name}.{key}"] = value
+            if isinstance(value, type) and value.__module__ == name:
+                for attr, member in list(vars(value).items()):  # its methods, not its counters
+                    if callable(member) or isinstance(member, (staticmethod, classmethod, property)):
+                        held[f"{name}.{key}.{attr}"] = member
+    return held
+
+
+def _slipstreams(value) -> bool:
+    """Whether ``value`` is slipstream's: a registered replacement, or a function (bound, or
+    in a ``functools.partial``) defined in slipstream."""
+    function = getattr(value, "func", value)
+    function = getattr(function, "__func__", function)
+    return (getattr(value, "__slipstream_patch__", None) is not None
+            or str(getattr(function, "__module__", "")).startswith("slipstream"))
+
+
+def _disable_after_overlap(rank, world):
+    """A ZeRO-2 and a ZeRO-3 job with ``overlap`` (several buckets a step, reduced while
+    backward goes on), their engines kept alive, then ``slipstream.disable()``: what changed
+    in DeepSpeed before and after, and the patches ``status()`` listed while the jobs ran."""
+    import importlib
+
+    import deepspeed.comm as ds_comm
+
+    import slipstream
+    from slipstream.plugins.deepspeed.zero import overlaps
+
+    for name in _PATCHED_DEEPSPEED:
+        importlib.import_module(name)
+    ds_comm.init_distributed(dist_backend="gloo")  # DeepSpeed's own backend object, made once
+    slipstream.disable()  # the start-up hook may have installed the adapter when DeepSpeed was imported
+    before = _deepspeed_functions()
+    slipstream.enable()
+    engines, listed = [], []
+    for stage in (2, 3):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 32))
+        cfg = _ds_config(stage, 1, {"enabled": True, "comm": {**COMM, "overlap": True}})
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        assert overlaps(engine.optimizer), f"ZeRO-{stage}: the overlap did not engage"
+        for x, y in _mlp_batches(rank, 2):
+            engine.backward((engine(x) - y).pow(2).mean())
+            engine.step()
+        engines.append(engine)
+        listed.append(slipstream.status()["patches"])
+    slipstream.disable()
+    after = _deepspeed_functions()
+    changed = sorted(k for k in before if k not in after or after[k] is not before[k])
+    ours = sorted(k for k, v in after.items() if _slipstreams(v))
+    planted = {type(e.optimizer).__name__: sorted(k for k, v in vars(e.optimizer).items() if _slipstreams(v))
+               for e in engines}
+    return changed, ours, planted, listed
+
+
+def test_disable_after_zero2_and_zero3_overlap_jobs_restores_every_deepspeed_function_and_attribute():
+    for changed, ours, planted, listed in run_ranks(_disable_after_overlap, 2, rank_env=_env(0, 0), timeout=300):
+        assert changed == [] and ours == [], (changed, ours)
+        assert planted == {"DeepSpeedZeroOptimizer": [], "DeepSpeedZeroOptimizer_Stage3": []}, planted
+        # while the jobs ran, status() listed the instance patches of each optimizer
+        zero2, zero3 = listed
+        assert "deepspeed-zero: DeepSpeedZeroOptimizer.reduce_ipg_grads" in zero2, zero2
+        assert "deepspeed-zero: DeepSpeedZeroOptimizer_Stage3.independent_gradient_partition_epilogue" in zero3, zero3
+        assert "deepspeed: deepspeed.comm.comm.cdb" in zero3 or any(".cdb" in p for p in zero3), zero3
 
 
 def _llama_batches(rank, n, vocab):

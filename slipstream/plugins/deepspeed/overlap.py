@@ -18,8 +18,9 @@ goes through DeepSpeed's own blocking method.
 
 ZeRO-3 reduce-scatters each full bucket inside the gradient hook as well
 (``__reduce_and_partition_ipg_grads``), with DeepSpeed's own layout (``reduce_scatter_coalesced``)
-but a blocking call. ``Deferred3`` runs that same method's reduction with the call issued on
-the communicator's thread, sets the bucket's buffer aside, and copies the reduced shards into
+but a blocking call. ``Deferred3`` lays the bucket out as that method does and issues the
+reduce-scatter itself, async, through DeepSpeed's communication API (so on the core's
+communicator, never through a swapped DeepSpeed function), sets the bucket's buffer aside, and copies the reduced shards into
 the gradient partitions (DeepSpeed's ``partition_grads``) once the call is done: as soon as
 it is, in order, while backward goes on, and at the latest when more than
 ``IN_FLIGHT_BUCKETS`` buckets are in flight (so a big model's gradients are not all held at
@@ -30,7 +31,12 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["Deferred", "Deferred3", "IN_FLIGHT_BUCKETS", "STAGE3_PRIVATE", "stage3_name"]
+from ..._common.patch import patch, unpatch
+
+__all__ = ["Deferred", "Deferred3", "IN_FLIGHT_BUCKETS", "OWNER", "STAGE3_PRIVATE", "stage3_name"]
+
+OWNER = "deepspeed-zero"
+"""The registry's owner of the ZeRO patches (``zero.py``'s and the deferrals' own)."""
 
 IN_FLIGHT_BUCKETS = 4
 """ZeRO-3: buckets whose reduction may be in flight at once; the oldest is waited for beyond."""
@@ -135,11 +141,13 @@ class Deferred(_InFlight):
             bucket.buffer[index] = entry["buffer"]
         if entry["large"] is not None:
             large[dtype] = entry["large"]
-        vars(optimizer)["average_tensor"] = lambda tensor, dtype: _complete(entry["works"])
+        # for this call only, and through the registry (``status()`` lists it, ``disable()``
+        # undoes it): the reduction is done, what is left of DeepSpeed's method is its bookkeeping
+        patch(optimizer, "average_tensor", lambda tensor, dtype: _complete(entry["works"]), owner=OWNER)
         try:
             type(optimizer).reduce_ipg_grads(optimizer, comm_dtype=dtype)
         finally:
-            del vars(optimizer)["average_tensor"]
+            unpatch(optimizer, "average_tensor")
             bucket.buffer[index], bucket.index = live_buffer, live_index
             for name, value in live.items():
                 setattr(bucket, name, value)
@@ -175,7 +183,7 @@ class Deferred3(_InFlight):
                 raise RuntimeError(f"{param.grad.numel()} != {param.ds_numel} Cannot reduce scatter "
                                    f"gradients whose size is not same as the params")
         params = sorted(bucket.params, key=lambda p: p.ds_id)  # DeepSpeed's order
-        partitions, works = _issued(lambda: _stage3(optimizer, "avg_scatter_grads")(params, communication_data_type))
+        partitions, works = _scatter_async(optimizer, params)
         buffer = bucket.buffer
         self.pending.append({"params": params, "partitions": partitions, "works": works, "buffer": buffer})
         if buffer is not None:  # the bucket's gradients are views of it until finished
@@ -204,7 +212,7 @@ class Deferred3(_InFlight):
         optimizer.partition_grads(entry["params"], entry["partitions"])
 
 
-STAGE3_PRIVATE = ("reduce_and_partition_ipg_grads", "avg_scatter_grads")
+STAGE3_PRIVATE = ("reduce_and_partition_ipg_grads",)
 """The private methods of DeepSpeed's ZeRO-3 optimizer that ``Deferred3`` calls or replaces."""
 
 
@@ -220,25 +228,42 @@ def _stage3(optimizer, name: str):
     return getattr(DeepSpeedZeroOptimizer_Stage3, stage3_name(name)).__get__(optimizer)
 
 
-def _issued(call):
-    """``call()``'s result, with DeepSpeed's blocking coalesced reduce-scatter issued async
-    instead, and the handles of what it issued."""
+def _scatter_async(optimizer, params: list) -> tuple[list[torch.Tensor], list]:
+    """DeepSpeed's stage-3 ``__avg_scatter_grads`` of ``params`` where ``_deferrable3`` lets the
+    bucket in (one dtype throughout, no pre- or post-scaling, no quantized all-to-all): its
+    coalesced reduce-scatter (``reduce_scatter_coalesced``: each gradient's partitions
+    interleaved rank by rank, each padded to its largest, pre-divided by the group's size),
+    issued async through DeepSpeed's communication API. The views of each gradient's reduced
+    partition (valid once the handles are waited for), and the handles."""
+    import math
+
     import deepspeed.comm as dist
-    from deepspeed.runtime.comm import coalesced_collectives
 
-    works = []
-
-    def reduce_scatter(input_tensor, output_tensor, group=None, async_op=False, prof=False):
-        work = dist.reduce_scatter_fn(output_tensor, input_tensor, group=group, async_op=True)
-        if work is not None:  # None: the call was made synchronously
-            works.append(work)
-
-    blocking = coalesced_collectives._torch_reduce_scatter_fn
-    coalesced_collectives._torch_reduce_scatter_fn = reduce_scatter
-    try:
-        return call(), works
-    finally:
-        coalesced_collectives._torch_reduce_scatter_fn = blocking
+    check = getattr(optimizer, "_assert_same_partition_group", None)
+    if check is not None:
+        check(params)
+    group = optimizer._get_param_partition_group(params[0])
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    grads = [p.grad.view(-1) for p in params]
+    sizes = [math.ceil(g.numel() / world) for g in grads]
+    if len(grads) == 1 and grads[0].numel() % world == 0:
+        flat = grads[0]  # DeepSpeed's own shortcut: the gradient itself, reduced in place
+    else:
+        flat = torch.zeros(world * sum(sizes), dtype=grads[0].dtype, device=grads[0].device)
+        at = 0
+        for r in range(world):
+            for grad, size in zip(grads, sizes):
+                piece = grad[r * size:(r + 1) * size]
+                flat[at:at + piece.numel()].copy_(piece)
+                at += size
+    flat.div_(world)  # DeepSpeed's pre-division
+    mine = flat.chunk(world)[rank]
+    work = dist.reduce_scatter_fn(mine, flat, group=group, async_op=True)
+    outputs, at = [], 0
+    for grad, size in zip(grads, sizes):
+        outputs.append(mine.narrow(0, at, grad[rank * size:(rank + 1) * size].numel()))
+        at += size
+    return outputs, [] if work is None else [work]  # None: the call was made synchronously
 
 
 # The fields of DeepSpeed's IPG bucket that describe its current fill.

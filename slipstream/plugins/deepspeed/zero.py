@@ -29,12 +29,11 @@ import functools
 import torch
 
 from ..._common.patch import is_patched as _is_patched, patch, uninstall_all
-from .overlap import STAGE3_PRIVATE, Deferred, Deferred3, stage3_name
+from .overlap import OWNER as _OWNER, STAGE3_PRIVATE, Deferred, Deferred3, stage3_name
 
 __all__ = ["patch_zero_optimizer", "patch_zero3_optimizer", "unpatch_all", "is_patched", "overlaps", "owner_layout"]
 
 _METHOD = "allreduce_and_copy_with_multiple_ranks"
-_OWNER = "deepspeed-zero"  # this module's patches, apart from the rest of the adapter's
 # Largest padded size, relative to the bucket, still worth a reduce-scatter: an allreduce
 # moves twice the bucket's bytes, so up to 1.5x padding is still cheaper across nodes.
 MAX_PADDING = 1.5
@@ -158,14 +157,12 @@ def patch_zero3_optimizer(optimizer) -> bool:
     True when patched (DeepSpeed's own ZeRO-3 optimizer, not a subclass), False otherwise.
     Idempotent."""
     try:
-        from deepspeed.runtime.comm import coalesced_collectives
         from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
     except ImportError:  # pragma: no cover - depends on the DeepSpeed version
         return False
     if (type(optimizer) is not DeepSpeedZeroOptimizer_Stage3
             or not all(hasattr(DeepSpeedZeroOptimizer_Stage3, n) for n in map(stage3_name, STAGE3_PRIVATE))
-            or not all(hasattr(optimizer, n) for n in _DEFERRED3_NEEDS)
-            or not hasattr(coalesced_collectives, "_torch_reduce_scatter_fn")):
+            or not all(hasattr(optimizer, n) for n in _DEFERRED3_NEEDS)):
         return False
     deferred = Deferred3()
     patch(optimizer, _STAGE3_REDUCE, functools.partial(deferred.reduce_and_partition, optimizer), owner=_OWNER)
