@@ -49,10 +49,10 @@ def _classes():
     _, AllGather, ReduceScatter = _api()
 
     class _Core:
-        def __init__(self, config: CommConfig | None = None, overlap: bool = False) -> None:
+        def __init__(self, config: CommConfig | None = None, deferral: _overlap.Deferral | None = None) -> None:
             self.config = config
-            self.overlap = overlap
-            """Whether ``overlap.py`` may issue this module's reductions during backward."""
+            self.deferral = deferral
+            """Where ``overlap.py`` issues this module's reductions during backward (None: they block)."""
 
         def allocate(self, size, *, dtype, device):
             return torch.empty(*size, dtype=dtype, device=device)
@@ -75,8 +75,8 @@ def _classes():
             comm = pool.for_call(group, input_tensor, op, kind="reduce_scatter", config=self.config)
             if comm is None:  # the group's own, as FSDP2's DefaultReduceScatter
                 return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
-            if not async_op and _overlap.DEFERRAL.take("reduce_scatter"):
-                _overlap.DEFERRAL.pending.append(comm.reduce_scatter(output_tensor, input_tensor, op, async_op=True))
+            if not async_op and self.deferral is not None and self.deferral.take("reduce_scatter"):
+                self.deferral.pending.append(comm.reduce_scatter(output_tensor, input_tensor, op, async_op=True))
                 return None
             work = comm.reduce_scatter(output_tensor, input_tensor, op, async_op=async_op)
             return work.returning([output_tensor]) if async_op else None
@@ -102,6 +102,7 @@ def apply(model: torch.nn.Module, config: CommConfig | None = None) -> list[str]
     if not modules:
         raise ValueError(f"{type(model).__name__} has no FSDP2 module: call fully_shard on it (and its layers) first")
     switched, kept, during = [], [], False
+    deferral = _overlap.Deferral()  # this call's reductions in flight, where overlap engages
     for name, module in modules:
         label = name or type(module).__name__
         if _ORIGINALS in vars(module):
@@ -120,7 +121,7 @@ def apply(model: torch.nn.Module, config: CommConfig | None = None) -> list[str]
         module.set_custom_all_gather(gather_cls(config))
         # on a device with streams FSDP2 overlaps its own collectives: left as it is
         on_cpu = overlapped and all(g.device.type == "cpu" for g in groups)
-        module.set_custom_reduce_scatter(scatter_cls(config, on_cpu))
+        module.set_custom_reduce_scatter(scatter_cls(config, deferral if on_cpu else None))
         vars(module)[_ORIGINALS] = before
         if on_cpu:
             vars(module)[_OVERLAPPED] = _overlap.engage(groups)
@@ -128,7 +129,7 @@ def apply(model: torch.nn.Module, config: CommConfig | None = None) -> list[str]
         for g in groups:  # HSDP: the replicate group's all-reduce of each reduce-scatter output
             replicate = getattr(g.mesh_info, "replicate_process_group", None)
             if replicate is not None:
-                _HSDP.route(replicate, config)
+                _HSDP.route(replicate, config, deferral if on_cpu else None)
         switched.append(label)
     if switched:
         ref = weakref.ref(model)
@@ -185,10 +186,10 @@ class _HsdpAllReduce:
     becomes a ``_DistView`` from the first HSDP module switched to the last (an exact undo)."""
 
     def __init__(self) -> None:
-        self.groups: dict[int, list] = {}  # id(group) -> [group, config, modules switched on it]
+        self.groups: dict[int, list] = {}  # id(group) -> [group, config, modules switched on it, deferral]
 
-    def route(self, group, config) -> None:
-        entry = self.groups.setdefault(id(group), [group, config, 0])
+    def route(self, group, config, deferral) -> None:
+        entry = self.groups.setdefault(id(group), [group, config, 0, deferral])
         entry[2] += 1
         if len(self.groups) == 1 and entry[2] == 1:
             from torch.distributed.fsdp._fully_shard import _fsdp_collectives
@@ -225,8 +226,9 @@ class _DistView:
         comm = pool.for_call(group, tensor, op, kind="all_reduce", config=entry[1])
         if comm is None:
             return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
-        if not async_op and _overlap.DEFERRAL.take("all_reduce"):
-            _overlap.DEFERRAL.pending.append(comm.all_reduce(tensor, op, async_op=True))
+        deferral = entry[3]
+        if not async_op and deferral is not None and deferral.take("all_reduce"):
+            deferral.pending.append(comm.all_reduce(tensor, op, async_op=True))
             return None
         work = comm.all_reduce(tensor, op, async_op=async_op)
         return work.returning([tensor]) if async_op else None

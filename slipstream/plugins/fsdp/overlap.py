@@ -14,6 +14,10 @@ and the parameter all-gathers it prefetches during backward block too. For the m
 - every reduction in flight is waited for at the end of backward (the root's final
   callback), before anything reads a gradient; a failed one raises there.
 
+The reductions in flight are the state of one ``apply``: a ``Deferral`` its reduce-scatter
+comm objects hold (FSDP2 passes the comm object into ``foreach_reduce``, where the patch finds
+it), and its HSDP replica groups' routes too; nothing of it is module-global.
+
 A reduction is issued this way only where ``foreach_reduce`` does nothing with its result
 afterwards but make the sharded gradients views of it: the division done by the collective
 (AVG), no cast to another dtype, no gradient already there to add to, no post-accumulate-grad
@@ -29,11 +33,11 @@ import inspect
 
 from ..._common.patch import patch, unpatch
 
-__all__ = ["DEFERRAL", "Deferral", "engage", "release"]
+__all__ = ["Deferral", "engage", "release"]
 
 
 class Deferral:
-    """The reductions in flight of this process's overlapped FSDP2 modules."""
+    """The reductions in flight of the overlapped FSDP2 modules of one ``apply``."""
 
     def __init__(self) -> None:
         self.pending: list = []
@@ -41,8 +45,6 @@ class Deferral:
         self.issuing: str | None = None
         """While a deferred ``foreach_reduce`` runs: the call to issue asynchronously,
         ``"reduce_scatter"`` or ``"all_reduce"``."""
-        self.modules = 0
-        """Modules switched with overlap: the patches stay while there is one."""
 
     def take(self, kind: str) -> bool:
         """Whether the ``kind`` call now running is the one to issue asynchronously."""
@@ -62,7 +64,9 @@ class Deferral:
             raise first
 
 
-DEFERRAL = Deferral()
+_ENGAGED = [0]
+"""Modules switched with overlap in this process: the two class patches stay while there is
+one (a count for installing and removing them; no call reads it)."""
 
 
 def engage(groups) -> list:
@@ -72,11 +76,11 @@ def engage(groups) -> list:
     before = [g.unshard_async_op for g in groups]
     for g in groups:
         g.unshard_async_op = True
-    if DEFERRAL.modules == 0:
+    if _ENGAGED[0] == 0:
         patch(_fsdp_param_group, "foreach_reduce", _deferring(_fsdp_param_group.foreach_reduce), owner="fsdp")
         patch(_fsdp_state.FSDPState, "_root_post_backward_final_callback",
               _draining(_fsdp_state.FSDPState._root_post_backward_final_callback), owner="fsdp")
-    DEFERRAL.modules += 1
+    _ENGAGED[0] += 1
     return before
 
 
@@ -84,13 +88,19 @@ def release(groups, before: list) -> None:
     """Undo ``engage`` for one module (after waiting for what is in flight)."""
     from torch.distributed.fsdp._fully_shard import _fsdp_param_group, _fsdp_state
 
-    DEFERRAL.drain()
+    for deferral in {id(d): d for d in map(_deferral_of, groups) if d is not None}.values():
+        deferral.drain()
     for g, was in zip(groups, before):
         g.unshard_async_op = was
-    DEFERRAL.modules -= 1
-    if DEFERRAL.modules == 0:
+    _ENGAGED[0] -= 1
+    if _ENGAGED[0] == 0:
         unpatch(_fsdp_param_group, "foreach_reduce")
         unpatch(_fsdp_state.FSDPState, "_root_post_backward_final_callback")
+
+
+def _deferral_of(group) -> Deferral | None:
+    """The deferral of an FSDP2 parameter group's reduce-scatter comm object, if it has one."""
+    return getattr(getattr(group, "_reduce_scatter_comm", None), "deferral", None)
 
 
 def _deferring(original):
@@ -98,14 +108,15 @@ def _deferring(original):
 
     @functools.wraps(original)
     def foreach_reduce(*args, **kwargs):
-        kind = _deferrable(signature, args, kwargs)
-        if kind is None:
+        found = _deferrable(signature, args, kwargs)
+        if found is None:
             return original(*args, **kwargs)
-        DEFERRAL.issuing = kind
+        deferral, kind = found
+        deferral.issuing = kind
         try:
             return original(*args, **kwargs)
         finally:
-            DEFERRAL.issuing = None
+            deferral.issuing = None
 
     return foreach_reduce
 
@@ -113,28 +124,42 @@ def _deferring(original):
 def _draining(original):
     @functools.wraps(original)
     def final_callback(self, *args, **kwargs):
+        deferrals = {}
+        for state in getattr(getattr(self, "_state_ctx", None), "all_states", None) or [self]:
+            for group in state._fsdp_param_groups:
+                if (deferral := _deferral_of(group)) is not None:
+                    deferrals[id(deferral)] = deferral
         try:
             original(self, *args, **kwargs)
         except BaseException:
-            try:
-                DEFERRAL.drain()
-            except Exception:  # noqa: BLE001 - the callback's own error is the one raised
-                pass
+            for deferral in deferrals.values():
+                try:
+                    deferral.drain()
+                except Exception:  # noqa: BLE001 - the callback's own error is the one raised
+                    pass
             raise
-        DEFERRAL.drain()
+        first = None
+        for deferral in deferrals.values():  # every one waited for, the first failure raised
+            try:
+                deferral.drain()
+            except Exception as e:  # noqa: BLE001
+                first = first or e
+        if first is not None:
+            raise first
 
     return final_callback
 
 
-def _deferrable(signature, args, kwargs) -> str | None:
-    """Which call of this ``foreach_reduce`` may run on after it returns (see the module
-    docstring), or None: every call blocks."""
+def _deferrable(signature, args, kwargs) -> tuple[Deferral, str] | None:
+    """The deferral of this ``foreach_reduce``'s comm object and which of its calls may run on
+    after it returns (see the module docstring), or None: every call blocks."""
     from torch.distributed.fsdp._fully_shard._fsdp_collectives import _get_gradient_divide_factors
 
     try:
         a = signature.bind(*args, **kwargs).arguments
         comm, grads, params = a["reduce_scatter_comm"], a["unsharded_grads"], a["fsdp_params"]
-        if not getattr(comm, "overlap", False) or a["device"].type != "cpu" or not grads:
+        deferral = getattr(comm, "deferral", None)
+        if deferral is None or a["device"].type != "cpu" or not grads:
             return None
         reduce_dtype = a["reduce_dtype"] or grads[0].dtype
         group, replicas = a["reduce_scatter_group"], a["all_reduce_group"]
@@ -149,7 +174,7 @@ def _deferrable(signature, args, kwargs) -> str | None:
            or getattr(p.sharded_param, "_post_accumulate_grad_hooks", None) for p in params):
         return None
     if replicas is None:
-        return "reduce_scatter" if group is not None and group.size() > 1 else None
+        return (deferral, "reduce_scatter") if group is not None and group.size() > 1 else None
     if not a["all_reduce_grads"] or a["partial_reduce_output"] is not None:
         return None
-    return "all_reduce"
+    return deferral, "all_reduce"
