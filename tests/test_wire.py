@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from _dist import run_ranks
-from slipstream._common.patch import forget
+from slipstream._common.patch import uninstall_all
 from slipstream.core_comm import CommConfig, Communicator, counters
 from slipstream.core_comm._compat import all_gather_into_tensor, reduce_scatter_tensor
 from slipstream.core_comm.transport.codec import BLOCK, Bf16, ErrorFeedback, Int8
@@ -23,7 +23,7 @@ R = dist.ReduceOp
 def _no_hook_left():
     """Each test leaves torch's optimizer hooks as it found them."""
     yield
-    forget(("comm", "optimizer-step-count"), undo=True)
+    uninstall_all("comm")
 
 
 SIZES = (0, 1, BLOCK - 1, BLOCK, BLOCK + 1, 1000)
@@ -143,17 +143,29 @@ def test_calls_without_optimizer_steps_keep_nothing():
     assert feedback.resident_bytes() == 0
 
 
-def test_the_optimizer_step_hook_is_listed_and_removed_by_disable():
+def test_each_feedbacks_optimizer_step_hook_is_listed_leaves_with_it_and_is_removed_by_disable():
+    import gc
+
     import slipstream
     from slipstream._common.patch import patches
+    from torch.optim.optimizer import _global_optimizer_post_hooks as hooks
 
-    ErrorFeedback()
-    ErrorFeedback()  # one hook, however many
-    counting = [p for p in patches() if "counts optimizer steps" in str(p)]
-    assert len(counting) == 1, patches()
+    def counting():
+        return [p for p in patches() if "counts optimizer steps" in str(p)]
+
+    hooked = len(hooks)
+    kept, gone = ErrorFeedback(), ErrorFeedback()  # a hook each, counting on its own object
+    assert len(counting()) == 2 and len(hooks) == hooked + 2, patches()
+    _optimizer_step()
+    assert kept.steps == gone.steps == 1
+    del gone
+    gc.collect()
+    assert len(counting()) == 1 and len(hooks) == hooked + 1, patches()  # left with its feedback
     slipstream.disable()
-    assert not [p for p in patches() if "counts optimizer steps" in str(p)]
-    feedback, x = ErrorFeedback(), torch.full((BLOCK,), 0.3)  # registered again, and counting
+    assert not counting() and len(hooks) == hooked
+    _optimizer_step()
+    assert kept.steps == 1  # no longer counted
+    feedback, x = ErrorFeedback(), torch.full((BLOCK,), 0.3)  # a new one registers, and counts
     x[0] = 127.0
     _optimizer_step()
     first = Int8.decode(feedback.encode(Int8, ("g",), x), BLOCK)

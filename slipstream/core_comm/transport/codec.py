@@ -14,6 +14,8 @@ A payload is a flat ``uint8`` tensor, the same size on every rank for the same e
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from ..._common.patch import change
@@ -101,35 +103,38 @@ class ErrorFeedback:
 
     "The same tensor" is the call of the same kind and size made at the same place in the
     previous training step: the i-th call of a (kind, size) in a step takes the residual of
-    the i-th in the one before. A step ends at every optimizer step (torch's global
-    ``register_optimizer_step_post_hook``, which every torch optimizer runs, DeepSpeed's and
-    Megatron's included) or at ``next_step()``. Residuals are kept from the first step end on:
+    the i-th in the one before. A step ends at every optimizer step (counted on this object by
+    its own hook, torch's global ``register_optimizer_step_post_hook``, which every torch
+    optimizer runs, DeepSpeed's and Megatron's included) or at ``next_step()``. Residuals are kept from the first step end on:
     calls outside any training loop (no optimizer step among them) keep nothing and get no
     feedback, and the first step's rounding is not carried. Past ``cap_bytes`` of residuals in
     one step, the rest of that step's rounding is not kept."""
 
-    __slots__ = ("cap_bytes", "_step", "_stepping", "_previous", "_current", "_seen", "_bytes")
+    __slots__ = ("cap_bytes", "steps", "_step", "_stepping", "_previous", "_current", "_seen", "_bytes",
+                 "__weakref__")
 
     def __init__(self, cap_bytes: int = 2 << 30) -> None:
-        _count_optimizer_steps()
         self.cap_bytes = cap_bytes
-        self._step = _STEPS[0]
+        self.steps = 0
+        """Optimizer steps taken since this was made (its hook counts them)."""
+        self._step = 0
         self._stepping = False  # a step has ended since this was made: residuals are paired
         self._previous: dict[tuple, torch.Tensor] = {}  # the last step's residuals
         self._current: dict[tuple, torch.Tensor] = {}
         self._seen: dict[tuple, int] = {}  # calls of each (kind, size) so far this step
         self._bytes = 0  # in _current
+        _count_optimizer_steps(self)
 
     def next_step(self) -> None:
         """The training step ends: this step's residuals are the ones the next step takes."""
         self._previous, self._current, self._seen, self._bytes = self._current, {}, {}, 0
-        self._step, self._stepping = _STEPS[0], True
+        self._step, self._stepping = self.steps, True
 
     def encode(self, codec, key: tuple, x: torch.Tensor) -> torch.Tensor:
         """``codec``'s payload of ``x`` plus the residual of the same call in the last step;
         keeps the new residual. Non-finite elements leave none (a step that overflowed must
         not poison the next)."""
-        if self._step != _STEPS[0]:
+        if self._step != self.steps:
             self.next_step()
         call = (*key, x.numel())
         ordinal = self._seen[call] = self._seen.get(call, -1) + 1
@@ -148,26 +153,21 @@ class ErrorFeedback:
         return sum(r.numel() * 4 for d in (self._previous, self._current) for r in d.values())
 
 
-_STEPS = [0]  # optimizer steps this process has taken, once an ErrorFeedback asked to count
-_HOOK: list = []  # the hook's handle while it is registered
-_HOOK_KEY = ("comm", "optimizer-step-count")
-
-
-def _count_optimizer_steps() -> None:
-    """Count optimizer steps from now on: one global step-post hook per process, recorded in
-    the patch registry (``status()`` lists it, ``disable()`` removes it; the hook only adds
-    one to a counter)."""
-    if _HOOK:
-        return
+def _count_optimizer_steps(feedback: ErrorFeedback) -> None:
+    """Count optimizer steps on ``feedback`` from now on: a global step-post hook of its own
+    (it holds ``feedback`` weakly and leaves with it), recorded in the patch registry
+    (``status()`` lists it, ``disable()`` removes it; the hook only adds one to a counter)."""
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
+    ref = weakref.ref(feedback)
+
     def count(*_args) -> None:
-        _STEPS[0] += 1
+        if (alive := ref()) is not None:
+            alive.steps += 1
 
-    def undo() -> None:
-        if _HOOK:
-            _HOOK.pop().remove()
-
-    _HOOK.append(register_optimizer_step_post_hook(count))
-    change(_HOOK_KEY, "torch.optim: a global step-post hook that counts optimizer steps "
-           "(the lossy wire's error feedback pairs each step's calls with the last step's)", undo, owner="comm")
+    handle = register_optimizer_step_post_hook(count)
+    weakref.finalize(feedback, handle.remove)
+    change(("comm", "optimizer-step-count", id(feedback)),
+           "torch.optim: a global step-post hook that counts optimizer steps for one lossy wire's "
+           "error feedback (it pairs each step's calls with the last step's)", handle.remove, owner="comm",
+           target=feedback)
