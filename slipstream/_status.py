@@ -19,7 +19,6 @@ from ._common import patch, record
 from ._common.settings import parse_bool
 from ._common.version import __version__
 from .core_comm import counters, pool
-from .core_comm.config import CommConfig
 from .core_comm.groups import group_ranks
 
 __all__ = ["announce", "line", "status"]
@@ -107,7 +106,7 @@ def _comm_settings() -> dict | str:
     """The settings a slipstream group created now gets: ``enable(config)``'s, else the
     environment's (``CommConfig.from_env``: the ``SLIPSTREAM_CONFIG`` file, ``SLIPSTREAM_*``)."""
     try:
-        return CommConfig.default().to_dict()
+        return pool.default_config().to_dict()
     except ValueError as e:  # a bad setting: groups will refuse it by name
         return f"invalid: {e}"
 

@@ -39,6 +39,7 @@ def enable(config: CommConfig | None = None, *, source: str = "enable()") -> Non
     if not record.switch.on:
         record.switch.source = source
     record.switch.config = config
+    _default_to(config)
     registry.register()
     registry.install_barrier_shim()
     dist.Backend.default_device_backend_map["cpu"] = registry.BACKEND
@@ -53,6 +54,17 @@ def disable() -> None:
     autoload.remove_hooks()
     uninstall_all()
     record.switch.source, record.switch.config = "", None
+    _default_to(None)
+
+
+def _default_to(config: CommConfig | None) -> None:
+    """Hand ``config`` to the core as the settings of groups no code gives settings to (the
+    pool's default). The pool loads the communicator: with no config and no pool loaded yet,
+    there is nothing to hand (its default is None), and ``import slipstream`` stays light."""
+    if config is not None or "slipstream.core_comm.pool" in sys.modules:
+        from .core_comm import pool
+
+        pool.POOL.default = config
 
 
 def is_enabled() -> bool:

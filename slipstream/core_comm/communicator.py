@@ -52,7 +52,7 @@ class Communicator:
         self.group = group
         self.checker = checker
         """``SLIPSTREAM_DEBUG``'s same-call check (built on the first checked call if None)."""
-        self.config = config if config is not None else CommConfig.default()
+        self.config = config if config is not None else CommConfig.from_env()
         self.plan = plan
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)

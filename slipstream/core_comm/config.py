@@ -8,7 +8,6 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
-from .._common import record
 from .._common.settings import Settings, config_file, require_mapping
 
 __all__ = ["WIRE_FORMATS", "CommConfig"]
@@ -95,12 +94,6 @@ class CommConfig(Settings):
         # nan and inf would switch every bounded wait off
         if name == "timeout_s" and not (math.isfinite(value) and value > 0):
             raise ValueError(f"timeout_s must be a positive finite number of seconds, got {value}")
-
-    @classmethod
-    def default(cls) -> "CommConfig":
-        """The settings of a group no code gave settings to: ``slipstream.enable(config)``'s,
-        else ``from_env()``."""
-        return record.switch.config or cls.from_env()
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> "CommConfig":

@@ -44,7 +44,7 @@ log = logging.getLogger("slipstream.comm")
 class CommunicatorPool:
     """Communicators by process group (None: WORLD)."""
 
-    __slots__ = ("_comms", "_asked", "_warned", "_lock", "_exit_hook", "_decided", "_stayed")
+    __slots__ = ("_comms", "_asked", "_warned", "_lock", "_exit_hook", "_decided", "_stayed", "default")
 
     def __init__(self) -> None:
         self._comms: dict = {}  # group -> Communicator
@@ -54,10 +54,17 @@ class CommunicatorPool:
         self._warned: set = set()  # (group, config) pairs already warned about
         self._lock = threading.RLock()
         self._exit_hook = False
+        self.default: CommConfig | None = None
+        """The settings of a group no code gave settings to (``slipstream.enable(config)``
+        passes its ``config`` down here); None: ``CommConfig.from_env()`` at each build."""
+
+    def default_config(self) -> CommConfig:
+        """``default``, else the environment's settings (``CommConfig.from_env``)."""
+        return self.default if self.default is not None else CommConfig.from_env()
 
     def get(self, group: dist.ProcessGroup | None = None, *, config: CommConfig | None = None) -> Communicator:
         """The communicator of ``group``; built (collectively) on first use with ``config``
-        (None: ``CommConfig.default()``), running the tuner's cached plan if there is one."""
+        (None: ``default_config()``), running the tuner's cached plan if there is one."""
         key = _key(group)
         with self._lock:
             comm = self._comms.get(key)
@@ -71,7 +78,7 @@ class CommunicatorPool:
                                 "not %s (destroy the group or close it to change settings)", _ranks(key),
                                 comm.config, config)
                 return comm
-            comm = self._comms[key] = _build(key, config)
+            comm = self._comms[key] = _build(key, config if config is not None else self.default_config())
             self._asked[key] = config
             if not self._exit_hook:
                 # at exit, before torch's process groups are torn down: our worker threads
@@ -86,7 +93,7 @@ class CommunicatorPool:
                config: CommConfig | None = None) -> str | None:
         """``routing.decide`` for a call on ``group`` (None: WORLD): None when the core takes it,
         else why it stays the group's own collective. The group's backend for the device and
-        its settings (``config``; None: the built communicator's, else ``CommConfig.default()``)
+        its settings (``config``; None: the built communicator's, else ``default_config()``)
         are read once per (group, device type); a reason that holds for every call of the
         device (its backend's) is kept for ``stayed``. Local: builds nothing."""
         key = _key(group)
@@ -94,7 +101,8 @@ class CommunicatorPool:
             known = self._decided.get((key, device_type))
             if known is None:
                 comm = self._comms.get(key)
-                settings = comm.config if comm is not None else config if config is not None else CommConfig.default()
+                settings = (comm.config if comm is not None else config if config is not None
+                            else self.default_config())
                 known = self._decided[key, device_type] = (routing.backend_of(key, device_type), settings)
             backend, settings = known
             why = routing.decide(device_type, backend, op, dtype, config=settings)
@@ -183,10 +191,9 @@ def _ranks(group) -> list[int]:
         return []
 
 
-def _build(group, config: CommConfig | None) -> Communicator:
+def _build(group, config: CommConfig) -> Communicator:
     from .tuner import tuned_communicator
 
-    config = config if config is not None else CommConfig.default()
     over, checker = group, None
     core_spec = getattr(group, "core_spec", None)
     if core_spec is not None:
@@ -197,12 +204,13 @@ def _build(group, config: CommConfig | None) -> Communicator:
 
 
 # The process's pool: a communicator belongs to its group, and a group to the process.
-_POOL = CommunicatorPool()
-get = _POOL.get
-for_call = _POOL.for_call
-decide = _POOL.decide
-stayed = _POOL.stayed
-peek = _POOL.peek
-items = _POOL.items
-close = _POOL.close
-close_all = _POOL.close_all
+POOL = CommunicatorPool()
+get = POOL.get
+for_call = POOL.for_call
+decide = POOL.decide
+stayed = POOL.stayed
+peek = POOL.peek
+default_config = POOL.default_config
+items = POOL.items
+close = POOL.close
+close_all = POOL.close_all

@@ -120,11 +120,11 @@ def _ds_stand_in(device: torch.device):
         import deepspeed
     except ImportError:
         return "skipped: DeepSpeed is not installed"
-    from slipstream.core_comm import CommConfig
+    from slipstream.core_comm import pool
     from slipstream.plugins.deepspeed.comm_backend import install_comm
 
     deepspeed.init_distributed(dist_backend=dist.get_backend(), verbose=False)
-    return install_comm(CommConfig.default())
+    return install_comm(pool.default_config())
 
 
 def wrappers(group, device, slip_group=None, ds=None) -> list[Probe]:

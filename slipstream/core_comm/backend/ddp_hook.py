@@ -34,7 +34,7 @@ class DDPHookState:
         self.process_group = process_group
         """None: the default group."""
         self.config = config
-        """None: ``CommConfig.default()`` when the communicator is built."""
+        """None: the pool's default (``pool.default_config``) when the communicator is built."""
 
     def communicator(self, buffer: torch.Tensor):
         """The communicator that reduces ``buffer`` on the group (collective the first time),

@@ -336,10 +336,11 @@ def _nccl(store, rank, size, timeout, global_ranks, group_name):
 def create_process_group(dist_options, pg_options=None):
     """torch's creator for the backend (``register_backend(..., extended_api=True)``). The
     group's settings: ``pg_options`` (a ``CommConfig`` passed to ``init_process_group`` /
-    ``new_group``), else ``CommConfig.default()``."""
+    ``new_group``), else the pool's default (``pool.default_config``: ``enable(config)``'s, else
+    the environment's)."""
     if pg_options is not None and not isinstance(pg_options, CommConfig):
         raise TypeError(f"the slipstream backend takes a CommConfig as pg_options, got {type(pg_options).__name__}")
     return SlipstreamProcessGroup(
         dist_options.store, dist_options.group_rank, dist_options.group_size, dist_options.timeout,
         global_ranks=list(dist_options.global_ranks_in_group), group_name=str(dist_options.group_id),
-        config=pg_options or CommConfig.default())
+        config=pg_options or pool.default_config())

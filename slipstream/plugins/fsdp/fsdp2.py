@@ -97,7 +97,7 @@ def apply(model: torch.nn.Module, config: CommConfig | None = None) -> list[str]
     if config is not None and not isinstance(config, CommConfig):
         raise TypeError(f"config must be a CommConfig, got {type(config).__name__}")
     gather_cls, scatter_cls = _classes()
-    overlapped = (config if config is not None else CommConfig.default()).overlap
+    overlapped = (config if config is not None else pool.default_config()).overlap
     modules = [(name, module) for name, module in model.named_modules() if isinstance(module, FSDPModule)]
     if not modules:
         raise ValueError(f"{type(model).__name__} has no FSDP2 module: call fully_shard on it (and its layers) first")
