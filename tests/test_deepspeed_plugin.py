@@ -162,10 +162,15 @@ def test_zero2_on_two_emulated_nodes_with_grad_accumulation_matches_stock():
     assert algos[0] == ["hierarchical"]
 
 
-def _overlap_against_blocking(rank, world, gas):
+def _overlap_against_blocking(rank, world, gas, depth=None):
     """ZeRO-2 with small buckets, each bucket's reduction issued during backward and with
     every reduction blocking: bit-equal results; the core's timeline says which collectives
-    ran while this rank computed (hidden) and which it waited for."""
+    ran while this rank computed (hidden) and which it waited for. ``depth``: buckets in
+    flight at most (less than a step's, so the oldest are finished while backward goes on)."""
+    from slipstream.plugins.deepspeed import overlap as deferrals
+
+    if depth is not None:
+        deferrals.IN_FLIGHT_BUCKETS = depth
     from slipstream.core_comm import counters
     from slipstream.plugins.deepspeed import uninstall
     from slipstream.plugins.deepspeed.zero import overlaps
@@ -192,9 +197,10 @@ def _bit_equal_runs(blocking, overlapped):
     return blocking[3], overlapped[3]
 
 
-@pytest.mark.parametrize("nodes, gas", [((0, 0), 1), ((0, 0, 1, 1), 2)], ids=["1node", "2nodes-grad-accum"])
-def test_zero2_buckets_reduce_while_backward_computes_bit_equal_to_blocking(nodes, gas):
-    timelines = run_ranks(_overlap_against_blocking, len(nodes), gas, rank_env=_env(*nodes), timeout=500)
+@pytest.mark.parametrize("nodes, gas, depth", [((0, 0), 1, 2), ((0, 0, 1, 1), 2, None)],
+                         ids=["1node-2-in-flight", "2nodes-grad-accum"])
+def test_zero2_buckets_reduce_while_backward_computes_bit_equal_to_blocking(nodes, gas, depth):
+    timelines = run_ranks(_overlap_against_blocking, len(nodes), gas, depth, rank_env=_env(*nodes), timeout=500)
     for blocking, overlapped in timelines:
         assert blocking["hidden_s"] == 0.0 and blocking["exposed_s"] > 0  # every collective held the rank
         # a bucket's reduce-scatter in flight while backward went on (the core's own timestamps)

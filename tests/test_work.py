@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import _create_work_from_future
 
-from slipstream.core_comm.work import Work
+from slipstream.core_comm.work import InFlight, Work
 
 
 def test_a_work_from_a_future_is_a_torch_work_whose_future_holds_the_result():
@@ -97,3 +97,37 @@ def test_a_finish_step_runs_once_on_the_waiting_thread_and_keeps_its_error():
             broken.wait()
     with pytest.raises(ValueError, match="one of the two"):
         Work()
+
+
+def test_the_in_flight_queue_finishes_calls_in_order_and_holds_at_most_its_depth():
+    finished, futures = [], [Future() for _ in range(4)]
+    queue = InFlight(depth=2)
+    for i, future in enumerate(futures[:2]):
+        queue.push(f"call {i}", [Work(future), None], lambda i=i: finished.append(i))
+    assert len(queue) == 2 and not queue.oldest_done() and finished == []
+    futures[0].set_result(None)
+    assert queue.oldest_done()
+    futures[1].set_result(None)
+    queue.push("call 2", [Work(futures[2])], lambda: finished.append(2))  # past the depth: call 0 finished now
+    assert finished == [0] and len(queue) == 2
+    futures[2].set_result(None)
+    queue.drain()
+    assert finished == [0, 1, 2] and len(queue) == 0 and not queue.oldest_done()
+    with pytest.raises(ValueError, match="depth 0"):
+        InFlight(depth=0)
+
+
+def test_an_in_flight_failure_waits_for_every_call_finishes_none_and_names_its_call():
+    finished, later = [], Future()
+    queue = InFlight()
+    queue.push("first", [Work.completed()], lambda: finished.append("first"))
+    failed: Future = Future()
+    failed.set_exception(RuntimeError("peer 3 is gone"))
+    queue.push("ZeRO-3 reduce-scatter of a bucket", [Work(failed)], lambda: finished.append("failed"))
+    queue.push("last", [Work(later)], lambda: finished.append("last"))
+    threading.Timer(0.1, later.set_result, (None,)).start()
+    with pytest.raises(RuntimeError, match="peer 3 is gone") as raised:
+        queue.drain()
+    assert finished == ["first"] and len(queue) == 0
+    assert later.done(), "a call still in flight was left running"
+    assert any("in-flight ZeRO-3 reduce-scatter of a bucket" in note for note in raised.value.__notes__)

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from . import counters
 
-__all__ = ["Work"]
+__all__ = ["InFlight", "Work"]
 
 
 def _has_future(work: dist.Work) -> bool:
@@ -157,3 +157,65 @@ class Work(dist.Work):
         # its value (only Python's value() re-raises it; C++ readers such as DDP's reducer take it
         # for a tensor). Re-raising inside a callback marks the chained future failed for all.
         return result.then(lambda fut: fut.value())
+
+
+class InFlight:
+    """Calls issued and not yet finished, oldest first: the one queue of reductions in flight
+    that the stacks' overlaps keep (ZeRO-1/2 and ZeRO-3 buckets, FSDP2's reductions).
+
+    Each entry is a call's name, its handles and what finishing it takes once they are done
+    (the stack's bookkeeping). At most ``depth`` entries stay in flight (None: no bound): a
+    push beyond it finishes the oldest first. One failure rule: a handle's error waits for
+    every call still in flight (none is left running on a buffer the stack reuses), finishes
+    none of them, and raises the first error, with a note naming its call."""
+
+    __slots__ = ("depth", "pending")
+
+    def __init__(self, depth: int | None = None) -> None:
+        if depth is not None and depth < 1:
+            raise ValueError(f"an in-flight queue holds at least one call, got depth {depth}")
+        self.depth = depth
+        self.pending: list[tuple[str, list, Callable[[], Any] | None]] = []
+
+    def __len__(self) -> int:
+        return len(self.pending)
+
+    def push(self, name: str, works: list, finish: Callable[[], Any] | None = None) -> None:
+        """Keep ``name``'s ``works`` (its handles; None entries are calls made synchronously)
+        until it is finished; beyond ``depth`` calls, the oldest is finished now."""
+        self.pending.append((name, [w for w in works if w is not None], finish))
+        while self.depth is not None and len(self.pending) > self.depth:
+            self.pop()
+
+    def oldest_done(self) -> bool:
+        """Whether the oldest call's handles have all completed (False when none is in flight)."""
+        return bool(self.pending) and all(w.is_completed() for w in self.pending[0][1])
+
+    def pop(self) -> None:
+        """Wait for the oldest call and finish it (the failure rule above on an error)."""
+        name, works, finish = self.pending.pop(0)
+        try:
+            for work in works:
+                work.wait()
+        except Exception as e:  # noqa: BLE001 - raised below, after the others
+            self._fail(name, e)
+        if finish is not None:
+            finish()
+
+    def drain(self) -> None:
+        """Wait for and finish every call in flight, in order."""
+        while self.pending:
+            self.pop()
+
+    def _fail(self, name: str, error: Exception):
+        """Wait for every call left, drop them, and raise ``error`` naming ``name``."""
+        left, self.pending = self.pending, []
+        for _, works, _ in left:
+            for work in works:
+                try:
+                    work.wait()
+                except Exception:  # noqa: BLE001 - the first error is the one raised
+                    pass
+        error.add_note(f"slipstream: raised by the in-flight {name} (and {len(left)} later call(s) "
+                       "waited for, not finished)")
+        raise error

@@ -7,8 +7,8 @@ bucket's reduce-scatter (``zero.py``'s owner layout) is issued on the communicat
 and backward goes on: the bucket's buffer is set aside, a spare one takes the next
 gradients, and DeepSpeed's own bookkeeping of the bucket (its loop over the bucket's
 parameters: gradients copied into the partition, the others freed) runs once the reduction
-is done, at the end of backward (the epilogue), bucket by bucket in the order DeepSpeed would
-have run it. The same values are reduced in the same order: the results are bit-equal to the
+is done, bucket by bucket in the order DeepSpeed would have run it: at the end of backward
+(the epilogue), or earlier for the oldest when more than ``IN_FLIGHT_BUCKETS`` are in flight. The same values are reduced in the same order: the results are bit-equal to the
 blocking path's.
 
 A parameter larger than a bucket is reduced the same way, in its own gradient. A bucket
@@ -32,6 +32,7 @@ from __future__ import annotations
 import torch
 
 from ..._common.patch import patch, unpatch
+from ...core_comm.work import InFlight
 
 __all__ = ["Deferred", "Deferred3", "IN_FLIGHT_BUCKETS", "OWNER", "STAGE3_PRIVATE", "stage3_name"]
 
@@ -39,31 +40,34 @@ OWNER = "deepspeed-zero"
 """The registry's owner of the ZeRO patches (``zero.py``'s and the deferrals' own)."""
 
 IN_FLIGHT_BUCKETS = 4
-"""ZeRO-3: buckets whose reduction may be in flight at once; the oldest is waited for beyond."""
+"""Buckets whose reduction may be in flight at once (ZeRO-1/2 and ZeRO-3); beyond, the oldest
+is waited for and finished, so a big model's gradients are not all held twice."""
 
 
-class _InFlight:
-    """Buckets issued and not yet finished, in order, and the buffers of finished ones."""
+class _Spares:
+    """A deferral's queue of buckets in flight (the core's ``InFlight``: at most
+    ``IN_FLIGHT_BUCKETS``, one failure rule) and the buffers of finished ones."""
 
-    __slots__ = ("pending", "spare")
+    __slots__ = ("queue", "spare")
 
     def __init__(self) -> None:
-        self.pending: list[dict] = []
-        """Buckets issued, in order: what finishing each needs and its reductions."""
+        self.queue = InFlight(IN_FLIGHT_BUCKETS)
+        """Buckets issued, in order: their reductions, and DeepSpeed's bookkeeping of each."""
         self.spare: list[torch.Tensor] = []
         """Buffers of finished buckets, for the next buckets set aside."""
 
     def drain(self, optimizer) -> None:
         """Wait for every bucket in flight and run DeepSpeed's bookkeeping of each, in order.
         A failed reduction raises here (the rank cannot go on with a partial gradient)."""
-        while self.pending:
-            self._pop(optimizer)
+        self.queue.drain()
 
-    def _pop(self, optimizer) -> None:
-        entry = self.pending.pop(0)
-        self._finish(optimizer, entry)
-        if entry["buffer"] is not None:
-            self.spare.append(entry["buffer"])
+    def _push(self, optimizer, name: str, works: list, entry: dict) -> None:
+        def finish() -> None:
+            self._finish(optimizer, entry)
+            if entry["buffer"] is not None:
+                self.spare.append(entry["buffer"])
+
+        self.queue.push(name, works, finish)
 
     def _finish(self, optimizer, entry: dict) -> None:
         raise NotImplementedError
@@ -75,7 +79,7 @@ class _InFlight:
         return torch.empty_like(buffer)
 
 
-class Deferred(_InFlight):
+class Deferred(_Spares):
     """The buckets of one ZeRO-1/2 optimizer whose reduction is in flight."""
 
     __slots__ = ("collecting",)
@@ -121,11 +125,12 @@ class Deferred(_InFlight):
             works = self.collecting
         finally:
             self.collecting = None
-        self.pending.append({"dtype": dtype, "index": bucket.index, "buffer": buffer, "large": large, "works": works,
-                             "fields": {name: _copy(getattr(bucket, name)) for name in _FIELDS}})
+        entry = {"dtype": dtype, "index": bucket.index, "buffer": buffer, "large": large, "works": works,
+                 "fields": {name: _copy(getattr(bucket, name)) for name in _FIELDS}}
         if buffer is not None:
             bucket.buffer[bucket.index] = self._spare_like(buffer)
         bucket.clear()
+        self._push(optimizer, f"ZeRO-2 reduce-scatter of a {dtype} bucket", [w for w, _ in works], entry)
 
     def _finish(self, optimizer, entry: dict) -> None:
         """DeepSpeed's ``reduce_ipg_grads`` over the bucket as it was issued, with its
@@ -156,7 +161,7 @@ class Deferred(_InFlight):
                 large[dtype] = live_large
 
 
-class Deferred3(_InFlight):
+class Deferred3(_Spares):
     """The gradient buckets of one ZeRO-3 optimizer whose reduce-scatter is in flight."""
 
     __slots__ = ("issued", "running_on")
@@ -185,16 +190,16 @@ class Deferred3(_InFlight):
         params = sorted(bucket.params, key=lambda p: p.ds_id)  # DeepSpeed's order
         partitions, works = _scatter_async(optimizer, params)
         buffer = bucket.buffer
-        self.pending.append({"params": params, "partitions": partitions, "works": works, "buffer": buffer})
         if buffer is not None:  # the bucket's gradients are views of it until finished
             bucket.buffer = self._spare_like(buffer)
         bucket.params.clear()
         bucket.elements, bucket.process_group = 0, None
         self.issued += 1
         self.running_on += not all(work.is_completed() for work in works)
-        while self.pending and (len(self.pending) > IN_FLIGHT_BUCKETS
-                                or all(work.is_completed() for work in self.pending[0]["works"])):
-            self._pop(optimizer)
+        self._push(optimizer, f"ZeRO-3 reduce-scatter of a {communication_data_type} bucket", works,
+                   {"params": params, "partitions": partitions, "buffer": buffer})
+        while self.queue.oldest_done():  # finished as soon as done, in order
+            self.queue.pop()
 
     def epilogue(self, optimizer) -> None:
         """``independent_gradient_partition_epilogue``: the last buckets issued, every bucket
@@ -207,8 +212,6 @@ class Deferred3(_InFlight):
         type(optimizer).independent_gradient_partition_epilogue(optimizer)
 
     def _finish(self, optimizer, entry: dict) -> None:
-        for work in entry["works"]:
-            work.wait()
         optimizer.partition_grads(entry["params"], entry["partitions"])
 
 

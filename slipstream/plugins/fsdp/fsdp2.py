@@ -76,7 +76,8 @@ def _classes():
             if comm is None:  # the group's own, as FSDP2's DefaultReduceScatter
                 return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
             if not async_op and self.deferral is not None and self.deferral.take("reduce_scatter"):
-                self.deferral.pending.append(comm.reduce_scatter(output_tensor, input_tensor, op, async_op=True))
+                self.deferral.issued("reduce_scatter", comm.reduce_scatter(output_tensor, input_tensor, op,
+                                                                           async_op=True))
                 return None
             work = comm.reduce_scatter(output_tensor, input_tensor, op, async_op=async_op)
             return work.returning([output_tensor]) if async_op else None
@@ -228,7 +229,7 @@ class _DistView:
             return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
         deferral = entry[3]
         if not async_op and deferral is not None and deferral.take("all_reduce"):
-            deferral.pending.append(comm.all_reduce(tensor, op, async_op=True))
+            deferral.issued("all_reduce", comm.all_reduce(tensor, op, async_op=True))
             return None
         work = comm.all_reduce(tensor, op, async_op=async_op)
         return work.returning([tensor]) if async_op else None

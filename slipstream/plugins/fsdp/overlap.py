@@ -32,6 +32,7 @@ import functools
 import inspect
 
 from ..._common.patch import patch, unpatch
+from ...core_comm.work import InFlight
 
 __all__ = ["Deferral", "engage", "release"]
 
@@ -39,9 +40,13 @@ __all__ = ["Deferral", "engage", "release"]
 class Deferral:
     """The reductions in flight of the overlapped FSDP2 modules of one ``apply``."""
 
+    __slots__ = ("queue", "issuing")
+
     def __init__(self) -> None:
-        self.pending: list = []
-        """``Work`` of the reductions issued, in order, not yet waited for."""
+        self.queue = InFlight()
+        """The reductions issued, in order, not yet waited for (the core's one in-flight
+        queue: every one waited for, the first failure raised naming its call). Unbounded:
+        FSDP2 frees nothing a reduction writes before the end of backward."""
         self.issuing: str | None = None
         """While a deferred ``foreach_reduce`` runs: the call to issue asynchronously,
         ``"reduce_scatter"`` or ``"all_reduce"``."""
@@ -50,18 +55,13 @@ class Deferral:
         """Whether the ``kind`` call now running is the one to issue asynchronously."""
         return self.issuing == kind
 
+    def issued(self, kind: str, work) -> None:
+        self.queue.push(f"FSDP2 {kind}", [work])
+
     def drain(self) -> None:
         """Wait for every reduction in flight, in order; the first failure raises once all
         were waited for (none is left running on a buffer FSDP2 frees)."""
-        first = None
-        while self.pending:
-            work = self.pending.pop(0)
-            try:
-                work.wait()
-            except Exception as e:  # noqa: BLE001 - the first is raised below
-                first = first or e
-        if first is not None:
-            raise first
+        self.queue.drain()
 
 
 _ENGAGED = [0]
