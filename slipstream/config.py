@@ -9,7 +9,7 @@ value is refused naming its key, file or variable.
 from ._common.settings import CONFIG_VAR
 from .core_comm.config import CommConfig
 from .core_compile.autotune.config import CompileConfig
-from .core_compile.varlen.hf_model import VarlenConfig
+from .core_compile.varlen.config import VarlenConfig
 from .plugins.config import SlipstreamConfig
 
 __all__ = ["CONFIG_VAR", "CommConfig", "CompileConfig", "SlipstreamConfig", "VarlenConfig"]

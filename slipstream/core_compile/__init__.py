@@ -31,6 +31,6 @@ __getattr__, __dir__ = lazy.attributes(__name__, {
                     ".varlen.loss"),
     "PackedBatch": ".varlen.packing",
     **dict.fromkeys(["TokenBalancedBatchSampler", "balance"], ".varlen.sampler"),
-    **dict.fromkeys(["SUPPORTED_MODEL_TYPES", "VarlenConfig"], ".varlen.hf_model"),
+    "SUPPORTED_MODEL_TYPES": ".varlen.hf_model", "VarlenConfig": ".varlen.config",
     "apply_varlen": ".varlen.hf_model:apply", "is_varlen_patched": ".varlen.hf_model:is_patched",
     "varlen_patched": ".varlen.hf_model:patched", "unpatch_varlen": ".varlen.hf_model:unpatch"})

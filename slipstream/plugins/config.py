@@ -22,7 +22,7 @@ from typing import Any, Mapping
 from .._common.settings import Settings, config_file, read_section_file, reject_unknown, require_mapping, typed
 from ..core_comm.config import CommConfig
 from ..core_compile.autotune.config import CompileConfig
-from ..core_compile.varlen.hf_model import VarlenConfig
+from ..core_compile.varlen.config import VarlenConfig
 
 __all__ = ["SlipstreamConfig"]
 

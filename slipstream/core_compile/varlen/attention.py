@@ -34,11 +34,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from .config import BACKENDS
 from .packing import PackedBatch
 
 __all__ = ["BACKENDS", "VarlenContext", "available_backends", "resolve_backend", "varlen_attention"]
-
-BACKENDS = ("flash", "torch_varlen", "flex", "sdpa")
 
 
 @dataclass(kw_only=True, eq=False)

@@ -40,9 +40,9 @@ from typing import Any, Iterator
 import torch
 
 from ..._common.patch import change, forget, patch, unpatch as unpatch_attribute
-from ..._common.settings import Settings
-from .attention import BACKENDS, VarlenContext, resolve_backend, varlen_attention
+from .attention import VarlenContext, resolve_backend, varlen_attention
 from .fuse import fuse_layers, unfuse_layers
+from .config import VarlenConfig
 from .packing import PackedBatch
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "VarlenConfig", "apply", "unpatch", "patched", "is_patched"]
@@ -56,30 +56,6 @@ ATTENTION_NAME_UNTRACED = "slipstream_varlen_untraced"
 _MARKER = "_slipstream_varlen"
 _OWNER = "varlen"  # its entries in the patch registry
 _GENERATION_ARGS = ("past_key_values", "use_cache", "output_attentions", "output_hidden_states")
-
-
-@dataclass(kw_only=True, frozen=True)
-class VarlenConfig(Settings):
-    """How the varlen pass runs."""
-
-    backend: str = "auto"
-    """Attention kernel: one of ``flash``, ``torch_varlen``, ``flex``, ``sdpa``, or ``auto``
-    (the fastest that can run each call; a named one that cannot run raises)."""
-    logits: str = "auto"
-    """Layout of returned logits for a padded input: ``"padded"`` ``(batch, seq, vocab)`` with
-    zeros at padding, as the stock model; ``"packed"`` ``(1, total_tokens, vocab)``, which
-    saves a copy of the logits; ``"auto"``: packed for a training step that computes its loss
-    (the loss is what the step uses), padded for every other call (evaluation,
-    ``compute_metrics``, generation, a call without labels), so that callers see the stock shape."""
-    compile: bool = False
-    """Compile each decoder layer around the attention (``torch.compile``, dynamic shapes):
-    fused element-wise ops, equal to eager up to float rounding. See :mod:`.fuse`."""
-
-    def __post_init__(self) -> None:
-        if self.backend != "auto" and self.backend not in BACKENDS:
-            raise ValueError(f"backend must be 'auto' or one of {BACKENDS}, got {self.backend!r}")
-        if self.logits not in ("auto", "packed", "padded"):
-            raise ValueError(f"logits must be 'auto', 'packed' or 'padded', got {self.logits!r}")
 
 
 @dataclass(kw_only=True, eq=False)
