@@ -102,6 +102,7 @@ def _deepspeed_reason() -> str | None:
     return deepspeed_shm.prepare(torch.float32, nodes=1).reason
 
 
+@pytest.mark.slow
 def test_short_run_adds_deepspeed_shm_allreduce_checked_against_gloo(tmp_path):
     reason = _deepspeed_reason()
     if reason:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 
 from slipstream.cli import main
 
@@ -37,6 +39,7 @@ def _check(records: list[dict], table: str, models: list[str]) -> None:
     assert "goals (cpu):" in table and "cold compiles" in table
 
 
+@pytest.mark.slow
 def test_bench_compile_reports_every_candidate_of_three_models(tmp_path):
     # a 4-step run pays for no compile: every model's search ends at step 4, on eager, and each step
     # of the compile-on run is eager's, on the same weights: the same losses

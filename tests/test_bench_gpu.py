@@ -7,12 +7,15 @@ import json
 import sys
 import time
 
+import pytest
+
 from slipstream.bench.gpu import STAGES, Stage, _report, run_stages
 from slipstream.bench.workers.gpu import device_tag
 from slipstream.bench.workers.gpu_varlen import parameters
 from slipstream.cli import main
 
 
+@pytest.mark.slow
 def test_dry_run_reports_a_real_result_for_every_stage(tmp_path):
     out, records = tmp_path / "gpu.md", tmp_path / "gpu.json"
     assert main(["bench", "gpu", "--dry-run", "--out", str(out), "--json", str(records)]) == 0

@@ -12,6 +12,7 @@ from slipstream.bench.soak import compare, verdict
 from slipstream.cli import main
 
 
+@pytest.mark.slow
 def test_short_soak_matches_gloo_and_keeps_resources_flat(tmp_path):
     out = tmp_path / "soak.json"
     rc = main(["bench", "soak", "--layouts", "1x4", "--collectives", "1200", "--groups", "8", "--max-bytes", "256K",

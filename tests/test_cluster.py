@@ -103,6 +103,7 @@ def test_failing_rank_fails_the_launch(tmp_path):
 
 
 @pytest.mark.netns
+@pytest.mark.slow
 def test_two_nodes_allreduce_across_the_link(tmp_path):
     spec = ClusterSpec(nodes=2, ranks_per_node=2, link="1gbit")
     seen = _run_worker(tmp_path, spec)
@@ -157,6 +158,7 @@ def _settled(cluster, within_s: float = 10.0) -> dict:
     raise AssertionError(f"the forwarder's counters still changing after {within_s} s: {last}")
 
 
+@pytest.mark.slow
 def test_an_impaired_link_delays_and_drops_what_each_node_sends():
     with EmulatedCluster(ClusterSpec(nodes=2, link="1gbit", impair="delay 30ms, loss 5%, seed 1")) as cluster:
         connects = _connect_times(cluster)

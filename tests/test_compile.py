@@ -100,6 +100,7 @@ def _cfg(tmp_path, **kw):
 
 
 @pytest.mark.parametrize("name", ["inductor", "regions", "inductor-dynamic"])
+@pytest.mark.slow
 def test_each_strategy_trains_like_eager(tmp_path, name):
     eager, model = _pair()
     batches = _batches(5, lengths=(12, 8))
@@ -151,6 +152,7 @@ class Broken(Net):
         return super().forward(x, y)
 
 
+@pytest.mark.slow
 def test_regions_are_measured_when_the_whole_model_is_not_one_graph(tmp_path):
     torch.manual_seed(0)
     eager = Broken()
@@ -209,6 +211,7 @@ def test_a_compile_error_after_the_choice_falls_back_once_and_the_run_goes_on(tm
     _close(ours, ref)
 
 
+@pytest.mark.slow
 def test_a_mismatch_found_by_the_periodic_check_falls_back_to_eager(tmp_path):
     eager, model = _pair()
     batches = _batches(6)
@@ -306,6 +309,7 @@ def test_a_candidate_beyond_the_dtype_tolerance_but_as_accurate_as_eager_passes_
         check.compare(model, model.forward, reordered, (x,), {})
 
 
+@pytest.mark.slow
 def test_a_recompile_storm_falls_back_with_the_guard_that_failed(tmp_path):
     eager, model = _pair()
     batches = _batches(8)
@@ -319,6 +323,7 @@ def test_a_recompile_storm_falls_back_with_the_guard_that_failed(tmp_path):
     _close(ours, ref)
 
 
+@pytest.mark.slow
 def test_the_decision_is_cached_and_a_new_shape_or_version_searches_again(tmp_path, monkeypatch):
     cfg = _cfg(tmp_path, strategies=("inductor",), measure_rounds=1)
     _, first = _pair()
@@ -407,6 +412,7 @@ def test_the_first_step_after_a_switch_is_not_timed(tmp_path, monkeypatch):
     _close(ours, ref)
 
 
+@pytest.mark.slow
 def test_a_decisive_winner_ends_the_search_and_goes_first_next_time(tmp_path, monkeypatch):
     _slowed(monkeypatch, "regions", 1.0)  # regions' steps take 1 s more: a loser by far, pruned
     torch.manual_seed(0)
@@ -523,6 +529,7 @@ def _prebuild_dirs() -> set:
     return {n for n in os.listdir(tempfile.gettempdir()) if n.startswith(f"slipstream-prebuild-{os.getpid()}-")}
 
 
+@pytest.mark.slow
 def test_a_candidate_compiled_beside_training_loads_its_kernels_from_the_cache_and_trains_like_eager(
         tmp_path, monkeypatch):
     torch.manual_seed(0)
@@ -569,6 +576,7 @@ class SlowWhenCompiled(Net):
         return loss
 
 
+@pytest.mark.slow
 def test_a_candidate_slower_than_eager_in_its_compile_process_is_never_compiled_in_training(tmp_path, monkeypatch):
     from slipstream.core_compile.autotune import background
 
@@ -657,6 +665,7 @@ def test_a_dynamic_candidate_traces_its_graph_once_with_floats_as_constants():
     assert applied.counter.graphs == 2
 
 
+@pytest.mark.slow
 def test_a_dynamic_varlen_candidate_compiled_elsewhere_loads_every_graph_here_on_other_lengths(tmp_path, monkeypatch):
     """A packed llama's inductor-dynamic, compiled by a compile process on one batch, then here
     on a batch of other lengths: every graph comes from the cache (none generated here, none
@@ -770,6 +779,7 @@ def test_graph_breaks_are_reported_with_their_place(tmp_path):
     assert "graph breaks" in report.table()
 
 
+@pytest.mark.slow
 def test_graph_breaks_are_listed_by_the_compile_process_beside_training(tmp_path, monkeypatch):
     """With the first candidate compiled beside training, its process lists the graph breaks;
     the training process traces nothing for them."""
@@ -869,6 +879,7 @@ def _beside_rank(rank, world, cache_dir):
                      "beside": inductor.beside, "statuses": {c.name: c.status for c in report.candidates}})
 
 
+@pytest.mark.slow
 def test_ranks_agree_on_a_candidate_timed_by_the_nodes_compile_process(tmp_path):
     """Only the node's first rank compiles and times the candidate beside training; every rank
     skips it alike, and trains eagerly."""

@@ -147,6 +147,7 @@ def test_a_compile_outrunning_its_share_is_killed_with_its_processes_and_the_sea
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("seconds, budget_s, measured", [(5.0, 40.0, False), (0.0, 600.0, True)],
                          ids=["over-its-share", "within-its-share"])
+@pytest.mark.slow
 def test_max_autotune_is_measured_only_where_its_first_shapes_say_its_search_fits(
         tmp_path, cheap_estimates, seconds, budget_s, measured):
     """5 s per shape, 9 shapes: 45 s and more, over a 40 s share, known at the first shape (5 s

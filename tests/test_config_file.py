@@ -60,6 +60,7 @@ def _run(tmp_path, script: str, comm: dict) -> dict:
 @pytest.mark.parametrize("comm, paths", [({}, {"cma"}), ({"cma": False}, {"shm"}), ({"shm": False}, {"stock"})],
                          ids=["defaults", "no-cma", "no-shm"])
 @pytest.mark.parametrize("stack", ["ddp", "megatron"])
+@pytest.mark.slow
 def test_the_files_comm_settings_reach_every_group(tmp_path, stack, comm, paths):
     if stack == "megatron":
         pytest.importorskip("megatron.core")

@@ -42,6 +42,7 @@ def _faults_per_step(mode: str) -> float:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_kept_memory_is_reused_without_page_faults_and_release_restores_glibc():
     default, kept, released = (_faults_per_step(m) for m in ("default", "kept", "released"))
     # glibc maps and unmaps both tensors every step: 20480 faults of 4 KiB pages (40 with

@@ -245,6 +245,7 @@ def _zero3_gathers(rank, world):
     return blocking[1][2:], blocking[4], overlapped[1][2:], overlapped[4], overlapped[3]
 
 
+@pytest.mark.slow
 def test_zero3_gathers_parameters_a_bucket_ahead_with_overlap_bit_equal_to_the_default():
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 

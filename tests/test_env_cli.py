@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from slipstream.core_comm.collectives.shm import is_supported_platform
 
 
@@ -14,6 +16,7 @@ def _cli(*args, timeout=120):
     return json.loads(proc.stdout)  # stdout is only the JSON: the ranks' output went to stderr
 
 
+@pytest.mark.slow
 def test_env_json_reports_topology_fast_paths_routes_tuned_plan_and_versions(tmp_path):
     cache = str(tmp_path / "tuner")
     env = _cli("env", "--json", "--ranks-per-node", "2", "--cache-dir", cache)

@@ -178,6 +178,7 @@ def _case_id(c) -> str:
 @pytest.mark.parametrize("case,nodes,victim,op,env,cause",
                          [pytest.param(*c, id=_case_id(c),
                                        marks=[pytest.mark.matrix] * (_case_id(c) not in DEFAULT_RUN)) for c in CASES])
+@pytest.mark.slow
 def test_survivors_exit_within_the_timeout_naming_the_cause(tmp_path, case, nodes, victim, op, env, cause):
     if case == "megatron":
         pytest.importorskip("megatron.core")

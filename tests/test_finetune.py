@@ -42,6 +42,7 @@ def test_embedded_default_runs_end_to_end_and_matches_stock(tmp_path):
     assert (out / "compare.png").stat().st_size > 0
 
 
+@pytest.mark.slow
 def test_fsdp_stack_compare_matches_stock_fsdp2_with_its_collectives_through_the_core(tmp_path, monkeypatch):
     """Ours also compiles (--compile): a run of 2 steps of 2 micro-batches is 4 forward calls,
     whose budget (5% of them) pays for no compile, so none is tried at step 4 (steps 2 and 3
@@ -72,6 +73,7 @@ def test_fsdp_stack_compare_matches_stock_fsdp2_with_its_collectives_through_the
 
 
 @pytest.mark.netns
+@pytest.mark.slow
 def test_hsdp_compare_runs_stock_full_sharding_stock_hsdp_and_ours_on_two_nodes(tmp_path, capsys):
     figures = tmp_path / "figures.json"
     assert main(["finetune", "--stack", "fsdp", "--hsdp", "--compare", "--nodes", "2", "--nproc", "2", "--steps",

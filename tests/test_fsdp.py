@@ -116,6 +116,7 @@ def test_apply_to_a_model_without_fully_shard_says_so():
     assert run_ranks(_module_without_fsdp, 2, timeout=60) == [True, True]
 
 
+@pytest.mark.slow
 def test_accelerate_with_an_fsdp_plugin_runs_fsdp2_through_the_core_with_ddps_losses(tmp_path):
     """On CPU stock accelerate runs DDP although FSDP is configured; with slipstream it runs
     FSDP2 (as configured) through the core. The numbers are DDP's: same losses, same weights."""

@@ -29,6 +29,7 @@ def _calls(model):
 
 @needs_compiler
 @pytest.mark.parametrize("name", ["llama-tiny", "qwen2-tiny"])
+@pytest.mark.slow
 def test_compiled_layers_match_the_padded_eager_model_across_lengths(name):
     ref = build_model(name, vocab_size=VOCAB, seed=1)
     ours = copy.deepcopy(ref)
@@ -41,6 +42,7 @@ def test_compiled_layers_match_the_padded_eager_model_across_lengths(name):
 
 
 @needs_compiler
+@pytest.mark.slow
 def test_each_layer_graph_is_traced_and_compiled_once_across_lengths(tmp_path, monkeypatch):
     """Compiling cold, dynamo made a float symbolic under ``dynamic=True``, then specialized it
     and traced and AOT-compiled a graph a second time: 6 compiles of llama-tiny's 5 graphs."""

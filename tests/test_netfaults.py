@@ -167,6 +167,7 @@ NAMED = r"rank(\(s\))? \d"
 
 
 @pytest.mark.parametrize("env", TRANSPORTS)
+@pytest.mark.slow
 def test_a_link_down_past_the_timeout_fails_every_rank_in_time_and_a_restart_succeeds(tmp_path, env):
     res = _run(tmp_path / "outage", down_s=3 * TIMEOUT_S, timeout_s=TIMEOUT_S, env=env)
     for rank, out in enumerate(res["out"]):

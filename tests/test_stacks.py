@@ -89,6 +89,7 @@ def test_the_readme_and_docs_mark_a_config_for_each_stack():
 
 @needs_hook
 @pytest.mark.parametrize("script", STACK_SCRIPTS)
+@pytest.mark.slow
 def test_the_config_section_alone_turns_slipstream_on_with_stock_losses(tmp_path, script):
     if script.endswith("trl_sft.py"):
         pytest.importorskip("trl")
@@ -135,6 +136,7 @@ os._exit(0)  # torch 2.13's gloo aborts at exit in ~1 run of 5 (stock too): not 
 
 
 @needs_hook
+@pytest.mark.slow
 def test_slipstream_1_turns_a_ddp_script_on_and_autoload_0_keeps_it_stock(tmp_path):
     script = tmp_path / "ddp.py"
     script.write_text(DDP)
@@ -214,6 +216,7 @@ def test_slipstream_1_installs_the_accelerate_adapter_when_accelerate_imports_to
 
 
 @needs_hook
+@pytest.mark.slow
 def test_slipstream_config_alone_runs_accelerate_fsdp2_with_varlen_and_stock_losses(tmp_path):
     """accelerate's YAML cannot hold the section: ``SLIPSTREAM_CONFIG`` names a file of it. The
     unchanged example under torchrun, its FSDP2 plugin from accelerate's environment (what
@@ -249,6 +252,7 @@ def _accelerate_launch(tmp_path, yaml: str, *extra: str, **env) -> subprocess.Co
 @pytest.mark.parametrize("yaml, extra, ranks", [("accelerate_fsdp2.yaml", (), 2),
                                                 ("accelerate_hsdp.yaml", ("--num_machines", "1"), 4)],
                          ids=["fsdp2", "hsdp-on-one-machine"])
+@pytest.mark.slow
 def test_the_ready_accelerate_configs_work_with_accelerate_launch_as_they_are(tmp_path, yaml, extra, ranks):
     """``accelerate launch --config_file configs/X.yaml`` on the unchanged example script. On
     this machine without a GPU, stock accelerate gives each process DistributedType.NO (each

@@ -88,6 +88,7 @@ MATRIX = [(signal.SIGINT, 1, "training", True), (signal.SIGTERM, 2, "training", 
     [pytest.param(*c, marks=[pytest.mark.netns] * (c[1] > 1) + [pytest.mark.matrix] * (c in MATRIX)) for c in CASES],
     ids=[f"{c[0].name}-{c[1]}node-{c[2]}{'-inherited-ignored' * c[3]}" for c in CASES],
 )
+@pytest.mark.slow
 def test_a_signal_to_the_launcher_stops_every_rank(tmp_path, sig, nodes, phase, sigint_ignored):
     ext = extensions_dir(tmp_path / "ext", built=phase != "building")
     held = None
@@ -98,7 +99,7 @@ def test_a_signal_to_the_launcher_stops_every_rank(tmp_path, sig, nodes, phase, 
     per_node = 2 if nodes == 1 else 1
     proc = subprocess.Popen(
         [sys.executable, "-m", "slipstream.cli", "finetune", "--steps", "200", "--samples", "64",
-         "--max-length", "128", "--nodes", str(nodes), "--nproc", str(per_node),
+         "--max-length", "128", "--no-varlen", "--nodes", str(nodes), "--nproc", str(per_node),
          "--output-dir", str(tmp_path / "out")],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path,
         env={**os.environ, "TORCH_EXTENSIONS_DIR": str(ext)}, preexec_fn=_ignore_sigint if sigint_ignored else None,
