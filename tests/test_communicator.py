@@ -76,8 +76,16 @@ class _AlwaysHierarchical:
         return Choice("hierarchical")
 
 
+def _gloo_groups() -> int:
+    from torch.distributed import distributed_c10d as c10d
+
+    return len(c10d._world.pg_map)
+
+
 def _on_world(rank, world, expected_algo):
+    before = _gloo_groups()
     comm = Communicator(None, config=SMALL)
+    made = _gloo_groups() - before
     algo, why = comm.algorithm(torch.ones(1000))
     assert algo == expected_algo, (algo, why)
     if comm.hier is not None and comm.topology.local_size == 1:
@@ -100,22 +108,24 @@ def _on_world(rank, world, expected_algo):
         assert comm.algorithm(torch.ones(1000))[0] == "hierarchical"
     _compare_with_gloo(comm, None, rank, world, [0, 1, 13, 1031])
     comm.close()
-    return comm.topology.node_of
+    return comm.topology.node_of, made, _gloo_groups() - before
 
 
 @pytest.mark.parametrize(
-    "node_of, algo",
+    "node_of, algo, groups",
     [
-        ((0, 0, 1, 1), "hierarchical"),  # 2 nodes x 2 ranks
-        ((0, 1, 0, 1), "hierarchical"),  # ranks of a node not consecutive
-        ((0, 1, 2), "stock"),            # one rank per node: no shared memory, inter only; small: stock
-        ((0, 0, 0, 1), "stock"),         # uneven nodes fall back to the stock collective
-        ((0, 0, 0), "shm"),              # one node
+        ((0, 0, 1, 1), "hierarchical", 2),  # 2 nodes x 2 ranks: intra- and inter-node groups
+        ((0, 1, 0, 1), "hierarchical", 2),  # ranks of a node not consecutive
+        ((0, 1, 2), "stock", 1),            # one rank per node: no shared memory, inter only; small: stock
+        ((0, 0, 0, 1), "stock", 0),         # uneven nodes fall back to the stock collective
+        ((0, 0, 0), "shm", 0),              # one node: the gloo group is its own intra-node group
     ],
 )
-def test_collectives_match_gloo_for_every_placement(node_of, algo):
+def test_collectives_match_gloo_for_every_placement(node_of, algo, groups):
     seen = run_ranks(_on_world, len(node_of), algo, rank_env=_nodes(*node_of), timeout=300)
-    assert all(s == seen[0] for s in seen)
+    assert all(s[0] == seen[0][0] for s in seen)
+    # the gloo groups the communicator made, and none left once it is closed
+    assert all(made == groups and left == 0 for _, made, left in seen), seen
 
 
 def _on_subgroup(rank, world):

@@ -164,3 +164,28 @@ def test_a_bad_environment_variable_is_refused_before_any_rank_starts(tmp_path, 
     monkeypatch.setenv("SLIPSTREAM_CHUNK_BYTES", "100")
     with pytest.raises(ValueError, match="SLIPSTREAM_CHUNK_BYTES='100'"):
         main(["finetune", "--output-dir", str(tmp_path / "o")])
+
+
+@pytest.mark.slow
+def test_a_model_directory_without_a_tokenizer_trains_with_the_built_one_where_its_vocabulary_fits(tmp_path):
+    """A model saved with ``save_pretrained`` alone: the job takes the tokenizer built locally
+    when the model's vocabulary holds its ids (and trains), refuses a smaller one before any
+    rank starts naming ``--tokenizer``, and takes the directory's own tokenizer when it has one."""
+    from slipstream.recipes.model import build_model
+    from slipstream.recipes.tokenizer import BUILT_VOCAB, load_tokenizer, tokenizer_source
+
+    fits, small, own = (tmp_path / name for name in ("fits", "small", "own"))
+    build_model("llama-tiny", vocab_size=BUILT_VOCAB + 8).save_pretrained(fits)
+    build_model("llama-tiny", vocab_size=512).save_pretrained(small)
+    build_model("llama-tiny", vocab_size=BUILT_VOCAB).save_pretrained(own)
+    load_tokenizer(None).save_pretrained(own)
+    assert tokenizer_source(str(fits), None) is None and tokenizer_source(str(own), None) == str(own)
+    assert tokenizer_source(str(small), "tok.json") == "tok.json"
+    with pytest.raises(SystemExit, match=r"vocabulary of 512 tokens .* --tokenizer PATH"):
+        main(["finetune", "--model", str(small), "--output-dir", str(tmp_path / "o")])
+    figures = tmp_path / "figures.json"
+    assert main(["finetune", "--model", str(fits), "--steps", "1", "--samples", "8", "--max-length", "64",
+                 "--batch-size", "2", "--no-varlen", "--output-dir", str(tmp_path / "run"), "--json",
+                 str(figures)]) == 0
+    (run,) = json.loads(figures.read_text())
+    assert len(run["losses"]) == 1 and run["losses"][0] > 0

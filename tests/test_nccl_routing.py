@@ -248,7 +248,7 @@ def _entry_points(rank, world, nccl: bool):
     check("fsdp2_reduce_scatter", scatter()(o, x.clone(), group, ReduceOp.SUM, async_op=True), o,
           summed_ref.view(world, 6)[rank])
     routes = fsdp2._HsdpAllReduce()
-    routes.groups[id(group)] = [group, None, 1]
+    routes.groups[id(group)] = [group, None, 1, None]  # group, config, modules routed, deferral
     t = x.clone()
     check("hsdp_all_reduce", fsdp2._DistView(routes).all_reduce(t, group=group, async_op=True), t, summed_ref)
     # FSDP1's hook

@@ -115,6 +115,26 @@ def _check_config_section(tmp_path, script: str, config: dict) -> None:
     assert _losses(ours) == pytest.approx(_losses(ref), rel=1e-5)
 
 
+@needs_hook
+@pytest.mark.slow
+def test_slipstream_1_turns_a_deepspeed_config_without_a_section_on_and_enabled_false_keeps_it_stock(tmp_path):
+    """``SLIPSTREAM=1`` means on for DeepSpeed too: a config without the section gets the default
+    one (ZeRO's collectives through the core), with stock's losses; a section's ``"enabled":
+    false`` still means stock."""
+    pytest.importorskip("deepspeed")
+    script = "examples/deepspeed_train.py"
+    stock = {k: v for k, v in configs_for(script)[0].items() if k != "slipstream"}
+    ref = _torchrun(tmp_path, script, stock, "stock")
+    on = _torchrun(tmp_path, script, stock, "no-section", SLIPSTREAM="1")
+    off = _torchrun(tmp_path, script, {**stock, "slipstream": {"enabled": False}}, "enabled-false", SLIPSTREAM="1")
+    line = _start_line(on)
+    assert line and "on (SLIPSTREAM=1)" in line and "deepspeed: engaged" in line and "shm" in line, on.stderr[-3000:]
+    assert "varlen" not in line  # the default section: the collectives alone
+    assert "deepspeed: engaged" not in (_start_line(off) or ""), off.stderr[-3000:]
+    assert _losses(on) == pytest.approx(_losses(ref), rel=1e-5)
+    assert _losses(off) == _losses(ref)
+
+
 DDP = r"""
 import torch, torch.distributed as dist
 dist.init_process_group()  # no backend named: torch's default for CPU

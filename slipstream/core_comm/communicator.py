@@ -88,7 +88,8 @@ class Communicator:
         if topo.num_nodes > 1 and group_ranks(self.group) != sorted(group_ranks(self.group)):
             return "the group's ranks are not in global-rank order"
         intra, inter = node_subgroups(self.group, topo, timedelta(seconds=cfg.timeout_s))
-        self._subgroups = (intra, inter)
+        own = (self.group, dist.GroupMember.WORLD)  # the group itself, where it is its own intra-node group
+        self._subgroups = tuple(g for g in (intra, inter) if g is not None and not any(g is o for o in own))
         try:
             if intra is not None:
                 self.shm = ShmComm(intra, slot_bytes=cfg.slot_bytes, small_bytes=cfg.small_bytes,

@@ -35,8 +35,16 @@ def node_subgroups(
 ) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
     """``(intra, inter)`` for this rank: a gloo group of its node's ranks (None when it is
     alone on its node) and a gloo group of its peers of the same local index on the other
-    nodes (None on one node). Collective over ``group``; needs equal nodes."""
+    nodes (None on one node). Collective over ``group``; needs equal nodes.
+
+    On one node, a gloo ``group`` is its own intra-node group (the same members; the
+    shared-memory path calls it only while it is set up, collectively), not a second one: the
+    caller releases only what is not ``group``. The inter-node group is always a group of its
+    own: the hierarchical path drives it from the communicator's thread while a stock call may
+    run on ``group`` from the caller's."""
     ranks = group_ranks(group)
+    if topo.local_size > 1 and topo.num_nodes == 1 and _is_gloo(group):
+        return (group if group is not None else dist.GroupMember.WORLD), None
     intra = new_gloo_group([ranks[g] for g in topo.local_ranks], timeout) if topo.local_size > 1 else None
     inter = new_gloo_group([ranks[g] for g in topo.peers(topo.local_rank)], timeout) if topo.num_nodes > 1 else None
     return intra, inter
@@ -72,6 +80,14 @@ def new_gloo_group(ranks: list[int], timeout: timedelta | None = None) -> dist.P
     finally:
         for pad in pads:
             names.pop(pad, None)
+
+
+def _is_gloo(group) -> bool:
+    """Whether ``group`` (None: WORLD) is a plain gloo group."""
+    try:
+        return dist.get_backend(group) == "gloo"
+    except (RuntimeError, ValueError):
+        return False
 
 
 def release_groups(*groups: dist.ProcessGroup | None) -> None:

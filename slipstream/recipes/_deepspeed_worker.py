@@ -34,8 +34,8 @@ def ds_config(args) -> dict:
     cfg["gradient_accumulation_steps"] = args.grad_accum
     cfg.setdefault("zero_optimization", {})["stage"] = args.zero
     cfg.setdefault("optimizer", {}).setdefault("params", {})["lr"] = args.lr
-    if args.impl == "stock":
-        cfg.pop("slipstream", None)
+    if args.impl == "stock":  # stock even where slipstream is on (SLIPSTREAM=1 engages a config without a section)
+        cfg["slipstream"] = {"enabled": False}
         return cfg
     section = cfg.setdefault("slipstream", {"enabled": True})
     if args.compile:

@@ -24,7 +24,8 @@ _PASSED = ("model", "tokenizer", "data", "samples", "max_length", "steps", "zero
 def add_arguments(p) -> None:
     p.add_argument("--model", default="llama-tiny",
                    help="a config name (llama-tiny, llama-20m, ...) or a local Hugging Face model directory")
-    p.add_argument("--tokenizer", help="local tokenizer path (default: the model's, or one built locally)")
+    p.add_argument("--tokenizer", help="local tokenizer path (default: the model directory's own; else one "
+                   "built locally, which a model without a tokenizer takes where its vocabulary fits it)")
     p.add_argument("--data", default=None, help="alpaca-format JSON (default: a generated dataset)")
     p.add_argument("--samples", type=int, default=400, help="samples to generate when --data is not given")
     p.add_argument("--max-length", type=int, default=512)
@@ -64,10 +65,15 @@ def validate(args) -> None:
     from ..config import SlipstreamConfig
     from .alpaca import AlpacaFormatError, load_alpaca
     from .model import context_length
+    from .tokenizer import tokenizer_source
 
     for name in ("steps", "batch_size", "grad_accum", "nproc", "nodes", "max_length", "samples"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    try:
+        tokenizer_source(args.model, args.tokenizer)  # a model directory without one: the built one, if it fits
+    except ValueError as e:
+        raise SystemExit(str(e)) from None
     context = context_length(args.model)
     if context is not None and args.max_length > context:
         raise SystemExit(f"--max-length {args.max_length} is above the context of model {args.model!r} ({context})")

@@ -8,13 +8,19 @@ afterwards. Byte level means any text, real English included, tokenises without 
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
 
 from .._common import cache
 
-__all__ = ["SPECIAL_TOKENS", "build_tokenizer", "default_cache_dir", "load_tokenizer"]
+__all__ = ["SPECIAL_TOKENS", "build_tokenizer", "default_cache_dir", "load_tokenizer", "tokenizer_source"]
+
+BUILT_VOCAB = 8192
+"""The vocabulary of the tokenizer built locally where none is given."""
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+"""Any of these in a model directory: it holds its tokenizer."""
 
 SPECIAL_TOKENS = {"pad_token": "<pad>", "bos_token": "<s>", "eos_token": "</s>"}
 _TRAIN_RECORDS = 4000
@@ -25,7 +31,7 @@ def default_cache_dir() -> Path:
     return cache.cache_dir("tokenizer")
 
 
-def build_tokenizer(vocab_size: int = 8192, *, seed: int = 0, cache_dir: str | Path | None = None) -> Any:
+def build_tokenizer(vocab_size: int = BUILT_VOCAB, *, seed: int = 0, cache_dir: str | Path | None = None) -> Any:
     """A ``transformers.PreTrainedTokenizerFast`` with ``<pad>`` = 0, ``<s>``, ``</s>``."""
     if vocab_size < 300:
         raise ValueError(f"vocab_size must be >= 300 (256 bytes + specials + merges), got {vocab_size}")
@@ -56,7 +62,7 @@ def _train(vocab_size: int, seed: int, path: Path) -> None:
     cache.write_atomic(path, tok.save)  # concurrent builders (test workers, ranks) never read half a file
 
 
-def load_tokenizer(path: str | None = None, *, vocab_size: int = 8192, cache_dir: str | Path | None = None) -> Any:
+def load_tokenizer(path: str | None = None, *, vocab_size: int = BUILT_VOCAB, cache_dir: str | Path | None = None) -> Any:
     """The tokenizer in local directory or file ``path`` (offline), or the built one."""
     if path is None:
         return build_tokenizer(vocab_size, cache_dir=cache_dir)
@@ -69,3 +75,23 @@ def load_tokenizer(path: str | None = None, *, vocab_size: int = 8192, cache_dir
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok
+
+
+def tokenizer_source(model: str, tokenizer: str | None) -> str | None:
+    """Where a job's tokenizer comes from (``load_tokenizer``'s ``path``): ``tokenizer`` when
+    given; the model directory when it holds its tokenizer; else None, the one built locally,
+    which a model directory without a tokenizer takes only where its vocabulary holds the built
+    one's ids (a ``ValueError`` naming ``--tokenizer`` otherwise)."""
+    if tokenizer is not None or not os.path.isdir(model):
+        return tokenizer
+    if any((Path(model) / name).exists() for name in TOKENIZER_FILES):
+        return model
+    try:
+        vocab = json.loads((Path(model) / "config.json").read_text(encoding="utf-8")).get("vocab_size")
+    except (OSError, ValueError, AttributeError):
+        vocab = None  # transformers names what is wrong with the directory when it loads the model
+    if isinstance(vocab, int) and vocab < BUILT_VOCAB:
+        raise ValueError(f"--model {model} holds no tokenizer, and its vocabulary of {vocab} tokens is smaller "
+                         f"than the locally built tokenizer's {BUILT_VOCAB}: give the model's tokenizer with "
+                         f"--tokenizer PATH")
+    return None

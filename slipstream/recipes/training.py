@@ -25,7 +25,7 @@ from ..core_compile import balance, global_token_count
 from .alpaca import alpaca_samples, pad_batch
 from .comm_timer import CommTimer
 from .model import build_model
-from .tokenizer import load_tokenizer
+from .tokenizer import load_tokenizer, tokenizer_source
 
 __all__ = ["WARMUP_STEPS", "add_options", "micro_batches", "prepare", "step_record", "summary", "train_steps",
            "training_samples"]
@@ -55,7 +55,7 @@ def training_samples(args, tokenizer) -> list[dict]:
 def prepare(args) -> tuple:
     """``(tokenizer, samples, model)``: the model's tokenizer (or the one built locally), the
     samples, and the model with that vocabulary, seeded."""
-    tokenizer = load_tokenizer(args.tokenizer or (args.model if os.path.isdir(args.model) else None))
+    tokenizer = load_tokenizer(tokenizer_source(args.model, args.tokenizer))
     samples = training_samples(args, tokenizer)
     model = build_model(args.model, vocab_size=len(tokenizer), seed=args.seed, pad_token_id=tokenizer.pad_token_id)
     return tokenizer, samples, model

@@ -78,7 +78,7 @@ def _set_up(original, args, kwargs):
     params = bound.arguments
     ds_config = load_ds_config(params.get("config"), params.get("args"), params.get("config_params"))
     section = ds_config.get("slipstream")
-    settings = read_config(section)
+    settings = read_config(section) if section is not None or not record.switch.on else _switched_on()
     if not settings.enabled:
         _left_stock(section)
         return original(*bound.args, **bound.kwargs)
@@ -131,14 +131,20 @@ def _set_up(original, args, kwargs):
     return result
 
 
+def _switched_on():
+    """The settings of a DeepSpeed config without a section while slipstream is on
+    (``SLIPSTREAM=1``, ``SLIPSTREAM_CONFIG``, ``slipstream.enable()``): the ``SLIPSTREAM_CONFIG``
+    file's section where there is one, else the default section (ZeRO's collectives through
+    the core, nothing else), as every other stack gets."""
+    from ..config import SlipstreamConfig
+
+    return SlipstreamConfig.from_env() or read_config({}, where=f"slipstream (on by {record.switch.source})")
+
+
 def _left_stock(section) -> None:
     why = ("no \"slipstream\" section in the DeepSpeed config" if section is None
            else "the section says \"enabled\": false")
     note_stack("deepspeed", engaged=False, why=why)
-    if record.switch.on and section is None:
-        warn_once("slipstream is on, but this DeepSpeed config has no \"slipstream\" section: DeepSpeed "
-                  "runs stock. Add \"slipstream\": {\"enabled\": true} to the config to route ZeRO's "
-                  "collectives through slipstream.")
 
 
 def _init_distributed(original, params) -> None:
