@@ -28,7 +28,9 @@ def _netns_reason() -> str | None:
 
 
 def pytest_collection_modifyitems(config, items):
-    if not config.option.markexpr:  # a tier's further cases run when it is asked for by name
+    # a tier's further cases run when it is asked for by name (-m faults, -m netfaults, -m matrix),
+    # not under another selection (-m "not slow")
+    if not re.search(r"\b(matrix|faults|netfaults)\b", config.option.markexpr or ""):
         matrix = [item for item in items if "matrix" in item.keywords]
         if matrix:
             config.hook.pytest_deselected(items=matrix)
