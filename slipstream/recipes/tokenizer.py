@@ -62,7 +62,8 @@ def _train(vocab_size: int, seed: int, path: Path) -> None:
     cache.write_atomic(path, tok.save)  # concurrent builders (test workers, ranks) never read half a file
 
 
-def load_tokenizer(path: str | None = None, *, vocab_size: int = BUILT_VOCAB, cache_dir: str | Path | None = None) -> Any:
+def load_tokenizer(path: str | None = None, *, vocab_size: int = BUILT_VOCAB,
+                   cache_dir: str | Path | None = None) -> Any:
     """The tokenizer in local directory or file ``path`` (offline), or the built one."""
     if path is None:
         return build_tokenizer(vocab_size, cache_dir=cache_dir)

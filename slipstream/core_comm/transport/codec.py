@@ -105,9 +105,9 @@ class ErrorFeedback:
     previous training step: the i-th call of a (kind, size) in a step takes the residual of
     the i-th in the one before. A step ends at every optimizer step (counted on this object by
     its own hook, torch's global ``register_optimizer_step_post_hook``, which every torch
-    optimizer runs, DeepSpeed's and Megatron's included) or at ``next_step()``. Residuals are kept from the first step end on:
-    calls outside any training loop (no optimizer step among them) keep nothing and get no
-    feedback, and the first step's rounding is not carried. Past ``cap_bytes`` of residuals in
+    optimizer runs, DeepSpeed's and Megatron's included) or at ``next_step()``. Residuals are
+    kept from the first step end on: calls outside any training loop (no optimizer step among
+    them) keep nothing and get no feedback, and the first step's rounding is not carried. Past ``cap_bytes`` of residuals in
     one step, the rest of that step's rounding is not kept."""
 
     __slots__ = ("cap_bytes", "steps", "_step", "_stepping", "_previous", "_current", "_seen", "_bytes",

@@ -8,7 +8,8 @@ and backward goes on: the bucket's buffer is set aside, a spare one takes the ne
 gradients, and DeepSpeed's own bookkeeping of the bucket (its loop over the bucket's
 parameters: gradients copied into the partition, the others freed) runs once the reduction
 is done, bucket by bucket in the order DeepSpeed would have run it: at the end of backward
-(the epilogue), or earlier for the oldest when more than ``IN_FLIGHT_BUCKETS`` are in flight. The same values are reduced in the same order: the results are bit-equal to the
+(the epilogue), or earlier for the oldest when more than ``IN_FLIGHT_BUCKETS`` are in
+flight. The same values are reduced in the same order: the results are bit-equal to the
 blocking path's.
 
 A parameter larger than a bucket is reduced the same way, in its own gradient. A bucket
@@ -20,8 +21,8 @@ ZeRO-3 reduce-scatters each full bucket inside the gradient hook as well
 (``__reduce_and_partition_ipg_grads``), with DeepSpeed's own layout (``reduce_scatter_coalesced``)
 but a blocking call. ``Deferred3`` lays the bucket out as that method does and issues the
 reduce-scatter itself, async, through DeepSpeed's communication API (so on the core's
-communicator, never through a swapped DeepSpeed function), sets the bucket's buffer aside, and copies the reduced shards into
-the gradient partitions (DeepSpeed's ``partition_grads``) once the call is done: as soon as
+communicator, never through a swapped DeepSpeed function), sets the bucket's buffer aside,
+and copies the reduced shards into the gradient partitions (DeepSpeed's ``partition_grads``) once the call is done: as soon as
 it is, in order, while backward goes on, and at the latest when more than
 ``IN_FLIGHT_BUCKETS`` buckets are in flight (so a big model's gradients are not all held at
 once) or at the end of backward.
