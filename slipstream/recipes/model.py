@@ -65,8 +65,14 @@ def context_length(name: str) -> int | None:
     None where it does not say."""
     if name in MODEL_CONFIGS:
         return MODEL_CONFIGS[name][1].get("max_position_embeddings")
-    config = Path(name) / "config.json"
+    return saved_config_int(name, "max_position_embeddings")
+
+
+def saved_config_int(directory: str, key: str) -> int | None:
+    """``key`` of the ``config.json`` in local model directory ``directory``, where it is an
+    integer; None where there is no such file or value."""
+    config = Path(directory) / "config.json"
     if config.is_file():
-        value = json.loads(config.read_text(encoding="utf-8")).get("max_position_embeddings")
+        value = json.loads(config.read_text(encoding="utf-8")).get(key)
         return value if isinstance(value, int) else None
     return None

@@ -8,7 +8,6 @@ afterwards. Byte level means any text, real English included, tokenises without 
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
@@ -87,11 +86,10 @@ def tokenizer_source(model: str, tokenizer: str | None) -> str | None:
         return tokenizer
     if any((Path(model) / name).exists() for name in TOKENIZER_FILES):
         return model
-    try:
-        vocab = json.loads((Path(model) / "config.json").read_text(encoding="utf-8")).get("vocab_size")
-    except (OSError, ValueError, AttributeError):
-        vocab = None  # transformers names what is wrong with the directory when it loads the model
-    if isinstance(vocab, int) and vocab < BUILT_VOCAB:
+    from .model import saved_config_int
+
+    vocab = saved_config_int(model, "vocab_size")
+    if vocab is not None and vocab < BUILT_VOCAB:
         raise ValueError(f"--model {model} holds no tokenizer, and its vocabulary of {vocab} tokens is smaller "
                          f"than the locally built tokenizer's {BUILT_VOCAB}: give the model's tokenizer with "
                          f"--tokenizer PATH")

@@ -88,8 +88,9 @@ def release(groups, before: list) -> None:
     """Undo ``engage`` for one module (after waiting for what is in flight)."""
     from torch.distributed.fsdp._fully_shard import _fsdp_param_group, _fsdp_state
 
-    for deferral in {id(d): d for d in map(_deferral_of, groups) if d is not None}.values():
-        deferral.drain()
+    first = _drain(_deferrals(groups))
+    if first is not None:
+        raise first
     for g, was in zip(groups, before):
         g.unshard_async_op = was
     _ENGAGED[0] -= 1
@@ -98,9 +99,21 @@ def release(groups, before: list) -> None:
         unpatch(_fsdp_state.FSDPState, "_root_post_backward_final_callback")
 
 
-def _deferral_of(group) -> Deferral | None:
-    """The deferral of an FSDP2 parameter group's reduce-scatter comm object, if it has one."""
-    return getattr(getattr(group, "_reduce_scatter_comm", None), "deferral", None)
+def _deferrals(groups) -> list[Deferral]:
+    """The deferrals of FSDP2 parameter ``groups``' reduce-scatter comm objects, each once."""
+    found = (getattr(getattr(g, "_reduce_scatter_comm", None), "deferral", None) for g in groups)
+    return list({id(d): d for d in found if d is not None}.values())
+
+
+def _drain(deferrals: list[Deferral]) -> Exception | None:
+    """Drain every one of ``deferrals``; the first failure, returned (None: none failed)."""
+    first = None
+    for deferral in deferrals:
+        try:
+            deferral.drain()
+        except Exception as e:  # noqa: BLE001 - the caller raises the first
+            first = first or e
+    return first
 
 
 def _deferring(original):
@@ -124,26 +137,14 @@ def _deferring(original):
 def _draining(original):
     @functools.wraps(original)
     def final_callback(self, *args, **kwargs):
-        deferrals = {}
-        for state in getattr(getattr(self, "_state_ctx", None), "all_states", None) or [self]:
-            for group in state._fsdp_param_groups:
-                if (deferral := _deferral_of(group)) is not None:
-                    deferrals[id(deferral)] = deferral
+        states = getattr(getattr(self, "_state_ctx", None), "all_states", None) or [self]
+        deferrals = _deferrals(g for state in states for g in state._fsdp_param_groups)
         try:
             original(self, *args, **kwargs)
         except BaseException:
-            for deferral in deferrals.values():
-                try:
-                    deferral.drain()
-                except Exception:  # noqa: BLE001 - the callback's own error is the one raised
-                    pass
+            _drain(deferrals)  # the callback's own error is the one raised
             raise
-        first = None
-        for deferral in deferrals.values():  # every one waited for, the first failure raised
-            try:
-                deferral.drain()
-            except Exception as e:  # noqa: BLE001
-                first = first or e
+        first = _drain(deferrals)  # every one waited for, the first failure raised
         if first is not None:
             raise first
 
