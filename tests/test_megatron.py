@@ -386,6 +386,51 @@ def test_bench_megatron_runs_gloo_and_slipstream_padded_and_packed_with_equal_lo
     assert padded["overlap"] and max(padded["hidden_s"]) > 0, padded
 
 
+def _reversed_sums(rank, world):
+    """Megatron DDP's bucket all-reduce under ``--reversed-sums`` against gloo's, and against
+    the sum in reversed rank order taken here."""
+    from megatron.core.distributed import param_and_grad_buffer
+
+    from slipstream.bench.workers.megatron import _sum_in_reversed_rank_order
+
+    values = [torch.randn(5000, generator=torch.Generator().manual_seed(r)) * 10 ** r for r in range(world)]
+    stock = values[rank].clone()
+    dist.all_reduce(stock)
+    reference = values[-1].clone()
+    for v in reversed(values[:-1]):
+        reference += v
+    _sum_in_reversed_rank_order()
+    ours = values[rank].clone()
+    with param_and_grad_buffer._coalescing_manager(dist.group.WORLD, async_ops=False):
+        dist.all_reduce(ours, op=dist.ReduceOp.SUM)
+    top = values[rank].clone()
+    dist.all_reduce(top, op=dist.ReduceOp.MAX)  # not a sum: the stock call's
+    try:
+        dist.all_reduce(ours.clone(), async_op=True)
+    except ValueError as e:
+        refused = str(e)
+    return {"equal_reference": torch.equal(ours, reference),
+            "close_stock": torch.allclose(ours, stock, rtol=1e-6, atol=1e-3),
+            "differs_from_stock": not torch.equal(ours, stock), "refused": refused,
+            "max": torch.equal(top, torch.stack(values).max(0).values)}
+
+
+def test_reversed_sums_take_every_data_parallel_sum_in_another_order_than_gloo():
+    """``bench megatron --rounding``'s reference job: the same sums as gloo's all-reduce, each
+    taken in reversed rank order (exactly), so its losses differ from stock's by rounding alone."""
+    results = run_ranks(_reversed_sums, 4, timeout=120)
+    assert all(r["equal_reference"] and r["close_stock"] for r in results), results
+    assert any(r["differs_from_stock"] for r in results)  # another order: some element rounds otherwise
+    assert all(r["max"] and "synchronous all-reduces only" in r["refused"] for r in results)
+
+
+def test_bench_megatron_refuses_rounding_without_the_packed_job():
+    from slipstream.cli import main
+
+    with pytest.raises(SystemExit, match="--rounding"):
+        main(["bench", "megatron", "--rounding", "--no-varlen"])
+
+
 def test_bench_megatron_refuses_a_tp_that_crosses_nodes():
     from slipstream.cli import main
 

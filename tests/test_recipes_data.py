@@ -6,6 +6,7 @@ import json
 import statistics
 
 import pytest
+import torch
 
 from slipstream.recipes import (
     AlpacaFormatError,
@@ -97,6 +98,11 @@ def test_tiny_models_build_from_configs_deterministically(name):
 
 def test_benchmark_model_has_about_twenty_million_parameters():
     assert 18e6 <= count_parameters(build_model("llama-20m", vocab_size=8192)) <= 22e6
+
+
+def test_the_second_benchmark_size_has_about_125_million_parameters():
+    with torch.device("meta"):  # counted without allocating half a gigabyte
+        assert 120e6 <= count_parameters(build_model("llama-125m", vocab_size=8192)) <= 130e6
 
 
 def test_every_cache_lives_under_xdg_cache_home_and_kinds_keep_their_own_variable(tmp_path, monkeypatch):

@@ -36,6 +36,9 @@ __all__ = ["JOBS", "add_arguments", "run"]
 
 WORKER = "slipstream.bench.workers.megatron"
 JOBS = (("gloo", False), ("slipstream", False), ("slipstream", True))  # (backend, packed); the first is stock
+# --rounding: stock references for the loss differences: the stock job with its sums taken in
+# another order (the rounding floor of the padded jobs), and the packed batches on stock
+ROUNDING_JOBS = (("gloo", False, True), ("gloo", True, False))  # (backend, packed, reversed sums)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -57,6 +60,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="every job: Megatron DDP's overlap_grad_reduce (bucket all-reduces during backward)")
     parser.add_argument("--bucket", type=int, default=1_000_000,
                         help="with --overlap: Megatron DDP's bucket size in elements (default 1000000)")
+    parser.add_argument("--rounding", action="store_true",
+                        help="also run the stock references of the loss differences: gloo padded with its "
+                             "data-parallel sums in reversed rank order, and gloo packed")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds before every rank is killed")
     parser.add_argument("--json", help="write the records (a JSON list) here")
     parser.add_argument("--markdown", help="write the report (machine, command, table) here")
@@ -80,7 +86,7 @@ def _record(layout: str, jobs: list[dict], spec) -> dict:
     out = {"layout": layout, "tp": stock["tp"], "dp": stock["dp"], "params": stock["params"], "jobs": []}
     for job in jobs:
         step = statistics.median(job["times_s"])
-        diff = max(abs(a - b) / abs(a) for a, b in zip(stock["losses"], job["losses"], strict=True))
+        diff = _rel_diff(stock["losses"], job["losses"])
         sent = job["link_bytes"] / spec.nodes
         out["jobs"].append({**job, "step_s": step, "ratio": base / step, "max_rel_loss_diff": diff,
                             "comm_med_s": statistics.median(job["comm_s"]),
@@ -90,18 +96,35 @@ def _record(layout: str, jobs: list[dict], spec) -> dict:
     return out
 
 
+def _job_name(job: dict) -> str:
+    return f"{job['backend']} {'packed' if job['packed'] else 'padded'}" + (
+        ", sums reversed" if job.get("reversed_sums") else "")
+
+
 def _table(records: list[dict]) -> list[str]:
     def seconds(job: dict, key: str) -> str:
         return "-" if job["backend"] == "gloo" or job[key] is None else f"{job[key]:.3f}"
 
     rows = [[r["layout"], f"{r['tp']} x {r['dp']}", f"{r['params'] / 1e6:.1f} M",
-             f"{j['backend']} {'packed' if j['packed'] else 'padded'}", f"{j['step_s']:.3f}",
+             _job_name(j), f"{j['step_s']:.3f}",
              f"{j['ratio']:.2f}x", seconds(j, "comm_med_s"), seconds(j, "exposed_med_s"), seconds(j, "link_bound_s"),
              f"{j['max_rel_loss_diff']:.1e}",
              ", ".join(f"{op}: {'/'.join(sorted(p))}" for op, p in sorted(j["comm_paths"].items())) or "-"]
             for r in records for j in r["jobs"]]
     return table(["layout", "TP x DP", "params", "job", "step (s)", "ratio", "in collectives (s)", "exposed (s)",
                   "link bound (s)", "loss diff", "fast paths"], "llrlrrrrrrl", rows)
+
+
+def _packed_against_stock(record: dict) -> str:
+    """The largest per-step relative loss difference of each packed job from gloo packed."""
+    packed = [j for j in record["jobs"] if j["packed"]]
+    stock = next(j for j in packed if j["backend"] == "gloo")
+    return ", ".join(f"TP {record['tp']} {_job_name(j)} {_rel_diff(stock['losses'], j['losses']):.1e}"
+                     for j in packed if j is not stock)
+
+
+def _rel_diff(reference: list[float], losses: list[float]) -> float:
+    return max(abs(a - b) / abs(a) for a, b in zip(reference, losses, strict=True))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -118,23 +141,31 @@ def run(args: argparse.Namespace) -> int:
     tps = _tps(args.tp, spec.ranks_per_node)
     if args.steps < 1 or args.warmup < 0:
         raise SystemExit("--steps must be >= 1 and --warmup >= 0")
+    if args.rounding and (args.overlap or args.no_varlen):
+        raise SystemExit("--rounding: its references run without --overlap and with the packed job (no --no-varlen)")
     if args.bucket < 1:
         raise SystemExit(f"--bucket must be >= 1 element, got {args.bucket}")
     model = flags(args, "max_length", "batch", "steps", "warmup", "hidden", "layers", "heads")
     data = flags(args, "data") or flags(args, "samples")
     overlap = flags(args, "overlap", "bucket") if args.overlap else []
-    command = " ".join(["slipstream bench megatron", *flags(args, "layout", "tp", "no_varlen", "wire"), *overlap, *data,
+    command = " ".join(["slipstream bench megatron", *flags(args, "layout", "tp", "no_varlen", "wire", "rounding"),
+                        *overlap, *data,
                         *model])
     sys.stdout.write(command + "\n")
     records = []
     for tp in tps:
         argv = ["--tp", str(tp), *model, *overlap, *flags(args, "samples", "data")]
-        jobs = [launch_worker(WORKER, [*argv, "--backend", backend, *["--packed"] * packed], spec,
+        plan = [(backend, packed, False) for backend, packed in JOBS if not (packed and args.no_varlen)]
+        jobs = [launch_worker(WORKER, [*argv, "--backend", backend, *["--packed"] * packed,
+                                       *["--reversed-sums"] * reverse], spec,
                               env={"SLIPSTREAM_WIRE": args.wire}, timeout=args.timeout)
-                for backend, packed in JOBS if not (packed and args.no_varlen)]
+                for backend, packed, reverse in plan + list(ROUNDING_JOBS) * args.rounding]
         records.append(_record(args.layout, jobs, spec))
     notes = ["step: median step time of the slowest rank; ratio = gloo padded step / this step; loss diff: "
              "largest per-step relative difference from gloo padded",
+             *(["rounding: 'gloo padded, sums reversed' is stock's own rounding floor for the padded jobs; "
+                "packed jobs against gloo packed: " + "; ".join(_packed_against_stock(r) for r in records)]
+               if args.rounding else []),
              "worked around in the ranks (megatron-core on CPU): " + "; ".join(CPU_WORKAROUNDS)]
     extra = f"megatron-core {version('megatron-core') or 'not installed'}"
     emit(page(command, notes, _table(records), extra), records, args)

@@ -75,7 +75,10 @@ def next_token_batch(samples: list[dict], pad_id: int) -> dict:
 
 def options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--backend", choices=("gloo", "slipstream"), required=True)
-    add_flags(p, {"--tp": int, "--packed": False, "--overlap": False, "--bucket": 1_000_000, "--data": None,
+    # --reversed-sums: the stock job once more, each sum of the data-parallel ranks taken in
+    # reversed rank order (an all-gather, then the sum): another stock order of the same sums,
+    # which shows how far float32 rounding alone moves the losses (``bench megatron --rounding``)
+    add_flags(p, {"--tp": int, "--packed": False, "--overlap": False, "--reversed-sums": False, "--bucket": 1_000_000, "--data": None,
                   "--samples": 400, "--max-length": 512, "--batch": 8, "--steps": 10, "--warmup": 2, "--hidden": 256,
                   "--layers": 4, "--heads": 8, "--lr": 1e-3, "--seed": 0})
 
@@ -91,6 +94,8 @@ def train(args: argparse.Namespace) -> dict:
     from slipstream.recipes.training import micro_batches, training_samples
 
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=args.tp)
+    if args.reversed_sums:
+        _sum_in_reversed_rank_order()
     dp_group = parallel_state.get_data_parallel_group()
     dp_rank, dp_world = dist.get_rank(dp_group), dist.get_world_size(dp_group)
     tokenizer = load_tokenizer(None)
@@ -123,6 +128,7 @@ def train(args: argparse.Namespace) -> dict:
     tokens = torch.tensor([real, padded, counters.link_bytes() / args.steps], dtype=torch.float64)
     dist.all_reduce(tokens)
     result = dict(backend=args.backend, tp=args.tp, dp=dp_world, packed=args.packed, overlap=args.overlap,
+                  reversed_sums=args.reversed_sums,
                   params=params,
                   times_s=slowest({"step": times[args.warmup:]})["step"], losses=losses,
                   **slowest({"comm_s": comm[args.warmup:], "exposed_s": exposed[args.warmup:],
@@ -132,6 +138,34 @@ def train(args: argparse.Namespace) -> dict:
                   world_backend=dist.get_backend_config())
     parallel_state.destroy_model_parallel()
     return result
+
+
+def _sum_in_reversed_rank_order() -> None:
+    """Every SUM all-reduce of this rank (Megatron DDP's gradients, the worker's loss) as an
+    all-gather and a sum in reversed rank order, outside Megatron's coalescing manager; other
+    ops as they were (this process only: a reference job's rank, on the stock backend)."""
+    from megatron.core.distributed import param_and_grad_buffer
+
+    stock = dist.all_reduce
+
+    def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        if op != dist.ReduceOp.SUM:  # the cross-entropy's MAX: no rounding to reorder
+            return stock(tensor, op=op, group=group, async_op=async_op)
+        if async_op:
+            raise ValueError("--reversed-sums takes synchronous all-reduces only (no --overlap)")
+        parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, tensor, group=group)
+        total = parts[-1].clone()
+        for part in reversed(parts[:-1]):
+            total += part
+        tensor.copy_(total)
+
+    @contextlib.contextmanager
+    def uncoalesced(group=None, device=None, async_ops=False):
+        yield None
+
+    dist.all_reduce = all_reduce
+    param_and_grad_buffer._coalescing_manager = uncoalesced
 
 
 def _step(model, opt, b: dict, packed: bool, dp_group) -> tuple[float, float]:
