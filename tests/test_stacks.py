@@ -49,6 +49,18 @@ def _torchrun(tmp_path, script: str, config: dict, name: str, **env) -> subproce
     return _run_job(cmd, tmp_path, f"{script} with {name}", **env)
 
 
+_STOCK_RUNS: dict[tuple[str, str], subprocess.CompletedProcess] = {}
+
+
+def _stock_run(tmp_path, script: str, config: dict) -> subprocess.CompletedProcess:
+    """``script``'s stock run with ``config`` (no section, no ``SLIPSTREAM`` variable): the
+    reference several tests compare with, run once a session for each script and config."""
+    key = (script, json.dumps(config, sort_keys=True))
+    if key not in _STOCK_RUNS:
+        _STOCK_RUNS[key] = _torchrun(tmp_path, script, config, "stock")
+    return _STOCK_RUNS[key]
+
+
 def _run_job(cmd: list[str], cwd, what: str, **env) -> subprocess.CompletedProcess:
     """A user's script under a launcher: it must succeed, or finish and then hit torch's gloo
     abort at exit (warned, not failed: the user's script is not ours to end with os._exit)."""
@@ -105,7 +117,7 @@ def _check_config_section(tmp_path, script: str, config: dict) -> None:
     assert config["slipstream"]["enabled"] is True
     stock = {k: v for k, v in config.items() if k != "slipstream"}
     ours = _torchrun(tmp_path, script, config, "ours")
-    ref = _torchrun(tmp_path, script, stock, "stock")
+    ref = _stock_run(tmp_path, script, stock)
     line = _start_line(ours)
     assert line and "deepspeed: engaged" in line and "shm" in line, ours.stderr[-3000:]
     if config["slipstream"].get("varlen", {}).get("enabled"):
@@ -124,7 +136,7 @@ def test_slipstream_1_turns_a_deepspeed_config_without_a_section_on_and_enabled_
     pytest.importorskip("deepspeed")
     script = "examples/deepspeed_train.py"
     stock = {k: v for k, v in configs_for(script)[0].items() if k != "slipstream"}
-    ref = _torchrun(tmp_path, script, stock, "stock")
+    ref = _stock_run(tmp_path, script, stock)
     on = _torchrun(tmp_path, script, stock, "no-section", SLIPSTREAM="1")
     off = _torchrun(tmp_path, script, {**stock, "slipstream": {"enabled": False}}, "enabled-false", SLIPSTREAM="1")
     line = _start_line(on)
