@@ -101,6 +101,14 @@ def _group_alive(pgid: int) -> list[int]:
     return alive
 
 
+@pytest.fixture(autouse=True)
+def own_inductor_cache(tmp_path, monkeypatch):
+    """Inductor's cache of each test's own, for the compile process and this one: a graph of
+    these models compiled by an earlier run on this machine would load from the machine's cache,
+    and the compile these tests bound (a search that takes its time) would not happen."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+
+
 @pytest.fixture
 def cheap_estimates(monkeypatch):
     """Every candidate is expected to compile in 0.1 s (so a budget of seconds admits it)."""
