@@ -149,8 +149,7 @@ def run(args: argparse.Namespace) -> int:
     data = flags(args, "data") or flags(args, "samples")
     overlap = flags(args, "overlap", "bucket") if args.overlap else []
     command = " ".join(["slipstream bench megatron", *flags(args, "layout", "tp", "no_varlen", "wire", "rounding"),
-                        *overlap, *data,
-                        *model])
+                        *overlap, *data, *model])
     sys.stdout.write(command + "\n")
     records = []
     for tp in tps:

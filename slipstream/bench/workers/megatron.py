@@ -78,9 +78,9 @@ def options(p: argparse.ArgumentParser) -> None:
     # --reversed-sums: the stock job once more, each sum of the data-parallel ranks taken in
     # reversed rank order (an all-gather, then the sum): another stock order of the same sums,
     # which shows how far float32 rounding alone moves the losses (``bench megatron --rounding``)
-    add_flags(p, {"--tp": int, "--packed": False, "--overlap": False, "--reversed-sums": False, "--bucket": 1_000_000, "--data": None,
-                  "--samples": 400, "--max-length": 512, "--batch": 8, "--steps": 10, "--warmup": 2, "--hidden": 256,
-                  "--layers": 4, "--heads": 8, "--lr": 1e-3, "--seed": 0})
+    add_flags(p, {"--tp": int, "--packed": False, "--overlap": False, "--reversed-sums": False, "--bucket": 1_000_000,
+                  "--data": None, "--samples": 400, "--max-length": 512, "--batch": 8, "--steps": 10, "--warmup": 2,
+                  "--hidden": 256, "--layers": 4, "--heads": 8, "--lr": 1e-3, "--seed": 0})
 
 
 def train(args: argparse.Namespace) -> dict:
