@@ -71,12 +71,21 @@ def _left_behind() -> set[str]:
     return found
 
 
+def _worker(config) -> bool:
+    """A pytest-xdist worker (``-n``): its session ends while the others' tests still run, so
+    the run's controller alone compares what was left, once every worker has finished."""
+    return hasattr(config, "workerinput")
+
+
 def pytest_sessionstart(session):
-    session.config.stash[_BEFORE] = _left_behind()
+    if not _worker(session.config):
+        session.config.stash[_BEFORE] = _left_behind()
 
 
 def pytest_sessionfinish(session, exitstatus):
     """Fail the run when it left a segment, a namespace, a directory or a build lock behind."""
+    if _worker(session.config):
+        return
     left = _left_behind() - session.config.stash.get(_BEFORE, set())
     if left:
         sys.__stderr__.write("\nthe tests left behind (the run fails):\n" + "".join(f"  {x}\n" for x in sorted(left)))
