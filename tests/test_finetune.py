@@ -21,6 +21,7 @@ def test_embedded_default_runs_end_to_end_and_matches_stock(tmp_path):
     assert (stock["impl"], ours["impl"]) == ("stock", "slipstream")
     for r in (stock, ours):
         assert r["tokens_per_s"] > 0 and r["step_time_s"] > 0 and len(r["losses"]) == 4
+        assert 0 <= r["comm_least_s"] <= r["comm_time_s"]  # per step, rank 0's is one of those it is the least of
         assert (out / f"checkpoint-{r['impl']}").is_dir()
     for a, b in zip(stock["losses"], ours["losses"]):
         assert abs(a - b) <= 1e-5 * abs(a)
@@ -189,3 +190,27 @@ def test_a_model_directory_without_a_tokenizer_trains_with_the_built_one_where_i
                  str(figures)]) == 0
     (run,) = json.loads(figures.read_text())
     assert len(run["losses"]) == 1 and run["losses"][0] > 0
+
+
+def _time_in_a_collective_after_rank_1_sleeps(rank, world):
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from slipstream.recipes.training import _least_of_any_rank
+
+    if rank == 1:
+        time.sleep(1.0)  # rank 1's compute runs late: rank 0 waits for it inside the collective
+    t0 = time.perf_counter()
+    dist.all_reduce(torch.ones(4))
+    mine = time.perf_counter() - t0
+    return mine, _least_of_any_rank([mine, 2.0 * rank])
+
+
+def test_least_of_any_rank_is_the_collective_time_of_the_rank_that_arrived_last():
+    from _dist import run_ranks
+
+    (t0, least0), (t1, least1) = run_ranks(_time_in_a_collective_after_rank_1_sleeps, 2)
+    assert least0 == least1 == [min(t0, t1), 0.0]  # per step, the least over the ranks
+    assert t0 >= 0.9 and least0[0] == t1 < t0 - 0.5  # rank 0 waited; the late rank did not

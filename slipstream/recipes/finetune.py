@@ -181,6 +181,7 @@ def compare_table(stock: dict, ours: dict, peer: dict | None = None) -> str:
         ("step time (s)", "step_time_s", "{:.3f}"),
         ("compute (s)", "compute_s", "{:.3f}"),
         ("in collectives (s)", "comm_time_s", "{:.3f}"),
+        ("  least of any rank", "comm_least_s", "{:.3f}"),
         ("exposed comm (s)", "exposed_comm_s", "{:.3f}"),
         ("link bound (s)", "link_bound_s", "{:.3f}"),
         ("peak memory (MiB)", "peak_mem_mb", "{:.0f}"),
