@@ -198,14 +198,14 @@ def _time_in_a_collective_after_rank_1_sleeps(rank, world):
     import torch
     import torch.distributed as dist
 
-    from slipstream.recipes.training import _least_of_any_rank
+    from slipstream.cluster.worker import least
 
     if rank == 1:
         time.sleep(1.0)  # rank 1's compute runs late: rank 0 waits for it inside the collective
     t0 = time.perf_counter()
     dist.all_reduce(torch.ones(4))
     mine = time.perf_counter() - t0
-    return mine, _least_of_any_rank([mine, 2.0 * rank])
+    return mine, least({"s": [mine, 2.0 * rank]})["s"]
 
 
 def test_least_of_any_rank_is_the_collective_time_of_the_rank_that_arrived_last():

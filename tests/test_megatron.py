@@ -382,6 +382,7 @@ def test_bench_megatron_runs_gloo_and_slipstream_padded_and_packed_with_equal_lo
     # where the step's time goes: slipstream's collectives on the core's timeline, none for gloo
     assert len(padded["comm_s"]) == 2 and min(padded["comm_s"]) > 0 and max(stock["comm_s"]) == 0
     assert all(0 <= e <= c + 1e-3 for e, c in zip(padded["exposed_s"], padded["comm_s"]))
+    assert all(0 <= least <= c for least, c in zip(padded["comm_least_s"], padded["comm_s"]))  # the least, the most
     # overlap_grad_reduce: a bucket's all-reduce in flight on the core's thread while backward went on
     assert padded["overlap"] and max(padded["hidden_s"]) > 0, padded
 

@@ -9,7 +9,8 @@ torch's AdamW over DDP's reduced gradients.
 
 Columns: the median step time of the slowest rank; ratio = gloo padded / this job (> 1 is
 faster); loss: the largest per-step relative difference from gloo padded; for slipstream's
-jobs, the median time in collectives (some call in flight) and its exposed part (a caller
+jobs, the median time in collectives (some call in flight), the least of any rank (what moving
+took at most: the rank that arrives last waits for no one) and its exposed part (a caller
 waiting), from the core's timeline, and the link bound (the bytes it sent out of a node per
 step at the link's rate). ``--no-varlen`` leaves out the packed job: collectives only;
 ``--wire bf16|int8`` sends slipstream's gradients across the nodes in that lossy format;
@@ -90,6 +91,7 @@ def _record(layout: str, jobs: list[dict], spec) -> dict:
         sent = job["link_bytes"] / spec.nodes
         out["jobs"].append({**job, "step_s": step, "ratio": base / step, "max_rel_loss_diff": diff,
                             "comm_med_s": statistics.median(job["comm_s"]),
+                            "comm_least_med_s": statistics.median(job["comm_least_s"]),
                             "exposed_med_s": statistics.median(job["exposed_s"]),
                             "link_bound_s": sent * 8 / parse_rate(spec.link) if spec.link and sent else None,
                             "padding_removed": 1 - job["real_tokens"] / job["padded_tokens"] if job["packed"] else 0.0})
@@ -107,12 +109,13 @@ def _table(records: list[dict]) -> list[str]:
 
     rows = [[r["layout"], f"{r['tp']} x {r['dp']}", f"{r['params'] / 1e6:.1f} M",
              _job_name(j), f"{j['step_s']:.3f}",
-             f"{j['ratio']:.2f}x", seconds(j, "comm_med_s"), seconds(j, "exposed_med_s"), seconds(j, "link_bound_s"),
+             f"{j['ratio']:.2f}x", seconds(j, "comm_med_s"), seconds(j, "comm_least_med_s"), seconds(j, "exposed_med_s"), seconds(j, "link_bound_s"),
              f"{j['max_rel_loss_diff']:.1e}",
              ", ".join(f"{op}: {'/'.join(sorted(p))}" for op, p in sorted(j["comm_paths"].items())) or "-"]
             for r in records for j in r["jobs"]]
-    return table(["layout", "TP x DP", "params", "job", "step (s)", "ratio", "in collectives (s)", "exposed (s)",
-                  "link bound (s)", "loss diff", "fast paths"], "llrlrrrrrrl", rows)
+    return table(["layout", "TP x DP", "params", "job", "step (s)", "ratio", "in collectives (s)",
+                  "least of any rank (s)", "exposed (s)", "link bound (s)", "loss diff", "fast paths"],
+                 "llrlrrrrrrrl", rows)
 
 
 def _packed_against_stock(record: dict) -> str:

@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from ..cluster.worker import add_flags
+from ..cluster.worker import add_flags, least
 from ..core_comm import counters
 from ..core_compile import balance, global_token_count
 from .alpaca import alpaca_samples, pad_batch
@@ -139,13 +139,13 @@ def summary(args, records: list[dict], timer: CommTimer, model, *, varlen: bool,
     peak = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0])
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     compiled = compile_report(model)
-    least = _least_of_any_rank([r["comm_time_s"] for r in timed])
+    fewest = least({"comm": [r["comm_time_s"] for r in timed]})["comm"]
     removed = 1 - sum(r["real_tokens"] for r in records) / sum(r["padded_tokens"] for r in records) if varlen else 0.0
     return {
         "impl": args.impl, "steps": args.steps, "zero": args.zero,
         "tokens_per_s": real / seconds, "step_time_s": statistics.median_high(r["step_time_s"] for r in timed),
         "comm_time_s": statistics.median_high(r["comm_time_s"] for r in timed), "peak_mem_mb": float(peak),
-        "comm_least_s": statistics.median_high(least),
+        "comm_least_s": statistics.median_high(fewest),
         "exposed_comm_s": statistics.median_high(r["exposed_comm_s"] for r in timed),
         "compute_s": statistics.median_high(r["step_time_s"] - r["exposed_comm_s"] for r in timed),
         "link_bytes_per_node": statistics.median_high(r["link_bytes_per_node"] for r in timed),
@@ -154,16 +154,6 @@ def summary(args, records: list[dict], timer: CommTimer, model, *, varlen: bool,
         "comm_by_op": timer.calls(), "comm_paths": counters.snapshot(),
         "compile": compiled.to_dict() if compiled is not None else None, **fields,
     }
-
-
-def _least_of_any_rank(seconds: list[float]) -> list[float]:
-    """Per step, the least time any rank spent in the step's collectives. The last rank to
-    reach a collective waits for no one there, so this is at most what moving the data took;
-    a rank's time in collectives above it was spent waiting for slower ranks' compute."""
-    mine = torch.tensor(seconds, dtype=torch.float64)
-    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(every, mine)
-    return torch.stack(every).min(0).values.tolist()
 
 
 def _progress(args):

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 import slipstream  # noqa: F401 - registers the backend
-from slipstream.cluster.worker import add_flags, cores_per_rank, run_worker, slowest
+from slipstream.cluster.worker import add_flags, cores_per_rank, least, run_worker, slowest
 
 CPU_WORKAROUNDS = (
     "torch.cuda.current_device() answers 'cpu' (megatron-core puts the rotary frequencies and "
@@ -133,6 +133,7 @@ def train(args: argparse.Namespace) -> dict:
                   times_s=slowest({"step": times[args.warmup:]})["step"], losses=losses,
                   **slowest({"comm_s": comm[args.warmup:], "exposed_s": exposed[args.warmup:],
                              "hidden_s": hidden[args.warmup:]}),
+                  comm_least_s=least({"comm": comm[args.warmup:]})["comm"],
                   real_tokens=tokens[0].item() / args.tp, padded_tokens=tokens[1].item() / args.tp,
                   link_bytes=tokens[2].item(), comm_paths=counters.snapshot(),
                   world_backend=dist.get_backend_config())
