@@ -17,8 +17,14 @@ from _extensions import machine_root  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 # Build outputs and caches of the checkout: a stale build/lib would end up in the wheel.
-_NOT_SOURCES = shutil.ignore_patterns(".git", "build", "dist", "out", "*.egg-info", "__pycache__",
-                                      ".pytest_cache")
+_BUILT = shutil.ignore_patterns(".git", "build", "dist", "out", "*.egg-info", "__pycache__", ".pytest_cache")
+
+
+def _not_sources(folder: str, names: list[str]) -> set[str]:
+    """What not to copy of ``folder``: build outputs and caches, and virtual environments (a
+    ``.venv`` made inside the checkout, as many users make it, holds torch: gigabytes)."""
+    venvs = {n for n in names if os.path.isfile(os.path.join(folder, n, "pyvenv.cfg"))}
+    return set(_BUILT(folder, names)) | venvs
 
 
 def _run(argv: list, *, cwd: Path, env: dict, timeout: float) -> subprocess.CompletedProcess:
@@ -71,7 +77,7 @@ def test_wheel_in_fresh_venv_finetunes_from_an_empty_directory(tmp_path):
     home = tmp_path / "home"
     env.update(HOME=str(home), XDG_CACHE_HOME=str(home / ".cache"), PIP_NO_INDEX="1")
     src, wheels, venv, workdir = (tmp_path / d for d in ("src", "wheels", "venv", "empty"))
-    shutil.copytree(REPO, src, ignore=_NOT_SOURCES)
+    shutil.copytree(REPO, src, ignore=_not_sources)
     workdir.mkdir()
 
     if _builds_wheels():  # offline, with this interpreter's setuptools
