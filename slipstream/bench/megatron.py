@@ -109,7 +109,8 @@ def _table(records: list[dict]) -> list[str]:
 
     rows = [[r["layout"], f"{r['tp']} x {r['dp']}", f"{r['params'] / 1e6:.1f} M",
              _job_name(j), f"{j['step_s']:.3f}",
-             f"{j['ratio']:.2f}x", seconds(j, "comm_med_s"), seconds(j, "comm_least_med_s"), seconds(j, "exposed_med_s"), seconds(j, "link_bound_s"),
+             f"{j['ratio']:.2f}x", *(seconds(j, k) for k in ("comm_med_s", "comm_least_med_s", "exposed_med_s",
+                                                             "link_bound_s")),
              f"{j['max_rel_loss_diff']:.1e}",
              ", ".join(f"{op}: {'/'.join(sorted(p))}" for op, p in sorted(j["comm_paths"].items())) or "-"]
             for r in records for j in r["jobs"]]

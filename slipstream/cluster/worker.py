@@ -191,20 +191,25 @@ def timed_step(loss: Callable[[], torch.Tensor], optimizer: torch.optim.Optimize
     return best
 
 
-def slowest(times: Mapping[str, Sequence[float]], op=dist.ReduceOp.MAX) -> dict[str, list[float]]:
-    """Each entry of every list of ``times`` on the slowest rank (one all-reduce ``op`` over
-    the world; every rank passes lists of the same lengths)."""
-    names = list(times)
-    t = torch.tensor([list(times[name]) for name in names], dtype=torch.float64)
-    dist.all_reduce(t, op=op)
-    return {name: t[k].tolist() for k, name in enumerate(names)}
+def slowest(times: Mapping[str, Sequence[float]]) -> dict[str, list[float]]:
+    """Each entry of every list of ``times`` on the slowest rank (every rank passes lists of
+    the same lengths)."""
+    return _over_ranks(times, dist.ReduceOp.MAX)
 
 
 def least(times: Mapping[str, Sequence[float]]) -> dict[str, list[float]]:
     """Each entry of every list of ``times``, the least of any rank. Of a step's time in
     collectives: the last rank to reach a collective waits for no one there, so the least is at
     most what moving the data took; a rank's time above it was spent waiting for slower ranks."""
-    return slowest(times, dist.ReduceOp.MIN)
+    return _over_ranks(times, dist.ReduceOp.MIN)
+
+
+def _over_ranks(times: Mapping[str, Sequence[float]], op) -> dict[str, list[float]]:
+    """``times`` reduced entry by entry with ``op`` over the world, in one all-reduce."""
+    names = list(times)
+    t = torch.tensor([list(times[name]) for name in names], dtype=torch.float64)
+    dist.all_reduce(t, op=op)
+    return {name: t[k].tolist() for k, name in enumerate(names)}
 
 
 def in_turns(calls: Mapping[str, Callable[[], float]], iters: int, warmup: int = 0,
