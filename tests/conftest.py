@@ -1,3 +1,4 @@
+import atexit
 import os
 import re
 import shutil
@@ -8,6 +9,12 @@ import tempfile
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
+
+# "overlap": "auto" keeps its choices per model and layout: the suite's jobs keep theirs in a
+# folder of their own (removed at the end), so that no run of the suite takes another's
+_OVERLAP_DIR = tempfile.mkdtemp(prefix="slipstream-test-overlap-")
+os.environ.setdefault("SLIPSTREAM_OVERLAP_DIR", _OVERLAP_DIR)
+atexit.register(shutil.rmtree, _OVERLAP_DIR, True)
 
 
 def _has_gpu() -> bool:

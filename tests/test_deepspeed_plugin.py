@@ -207,6 +207,65 @@ def test_zero2_buckets_reduce_while_backward_computes_bit_equal_to_blocking(node
         assert overlapped["hidden_s"] > 0, overlapped
 
 
+def _auto_overlap(rank, world):
+    """ZeRO-2 with the default ``"overlap": "auto"``, one bucket per layer: on a slow link (each
+    reduce-scatter as long as a layer's backward) and on a fast one (no delay; the bucket's
+    reduce-scatter takes about 1% of the step). What the trial
+    chose each time, the losses and weights of each run and of ``"overlap": false``, and what a
+    second run on the slow link did with the cached choice."""
+    import slipstream
+    import slipstream.deepspeed as sds
+    from _overlap_trial import LAYER, Layers, batch, slow_link
+    from slipstream.core_comm.tuner import overlap as ot
+    from slipstream.plugins.deepspeed import uninstall
+
+    def train(overlap, delay_s, steps):
+        torch.manual_seed(0)
+        model = Layers(compute_s=0.08)
+        # the core's own chunks (COMM's tiny ones would make a bucket 70 round trips across nodes)
+        comm = {"timeout_s": 60} if overlap == "auto" else {"timeout_s": 60, "overlap": overlap}
+        cfg = _ds_config(2, 1, {"enabled": True, "comm": comm}, bucket=LAYER)
+        with slow_link(delay_s):
+            engine, *_ = sds.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+            losses, sizes = [], []
+            for step in range(steps):
+                x, y = batch(rank, step)
+                loss = (engine(x) - y).pow(2).mean()
+                engine.backward(loss)
+                engine.step()
+                losses.append(loss.item())
+                sizes.append(engine.optimizer.reduce_bucket_size)
+        facts = slipstream.status()["stacks"]["deepspeed"]
+        weights = _full_weights(engine)
+        uninstall()
+        return {"losses": losses, "weights": weights, "overlap": facts["overlap"],
+                "during_backward": facts["buckets_during_backward"], "sizes": sizes}
+
+    steps = ot.WARMUP + 2 * ot.ROUNDS + 1
+    runs = {"slow link": train("auto", 0.08, steps), "fast link": train("auto", 0.0, steps),
+            "blocking": train(False, 0.0, steps), "cached": train("auto", 0.08, 3)}
+    blocking = runs["blocking"]["weights"]
+    for run in runs.values():  # either mode reduces the same values in the same order
+        n, weights = len(run["losses"]), run.pop("weights")
+        run["bit_equal"] = run["losses"] == runs["blocking"]["losses"][:n] and (
+            n < steps or all(torch.equal(a, b) for a, b in zip(weights, blocking)))
+    return runs
+
+
+def test_zero2_overlap_auto_chooses_by_measurement_caches_the_choice_and_trains_bit_equal(tmp_path):
+    env = {"SLIPSTREAM_OVERLAP_DIR": str(tmp_path)}
+    # 2 nodes of a rank each: each layer's bucket (one owner's) goes to its owner (hierarchical path)
+    for runs in run_ranks(_auto_overlap, 2, rank_env=_env(0, 1), env=env, timeout=300):
+        slow, fast, cached = runs["slow link"], runs["fast link"], runs["cached"]
+        # a reduce-scatter as long as a layer's backward: overlapped steps hide it; without, nothing to hide
+        assert slow["during_backward"] is True and "buckets overlapped (measured" in slow["overlap"], slow["overlap"]
+        assert fast["during_backward"] is False and "buckets blocking (measured" in fast["overlap"], fast["overlap"]
+        assert cached["during_backward"] is True and "cached from an earlier run" in cached["overlap"], cached
+        assert len(set(slow["sizes"])) == 1  # the config's bucket size in both modes
+        assert all(run["bit_equal"] for run in runs.values()), runs
+    assert len(list(tmp_path.iterdir())) == 2  # one choice for the model and layout on each link
+
+
 def _zero3_gathers(rank, world):
     """ZeRO-3 with DeepSpeed's prefetch bucket (the whole model) and with ``overlap`` (the
     tuner's all-gather bucket, about one layer here): the same losses and weights; per step,

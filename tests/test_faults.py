@@ -155,6 +155,7 @@ CASES = [
     ("deepspeed", 1, 1, "all_reduce", {}, DIED),
     ("deepspeed", 2, 2, "all_reduce", {"SLIPSTREAM_CONNECTIONS": "2"}, DIED),
     ("deepspeed", 2, 1, "reduce_scatter", {"SLIPSTREAM_OVERLAP": "1"}, DIED),  # buckets during backward
+    ("deepspeed", 2, 1, "reduce_scatter", {"SLIPSTREAM_OVERLAP": "auto"}, DIED),  # in "auto"'s trial steps
     ("deepspeed", 2, 1, "reduce_scatter", {"SLIPSTREAM_OVERLAP": "1", "FAULT_ZERO": "3"}, DIED),  # ZeRO-3's
 ]
 

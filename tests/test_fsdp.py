@@ -366,3 +366,47 @@ def test_fsdp2_reductions_run_while_backward_computes_bit_equal_to_blocking(node
         # a reduction in flight while backward went on (the core's own timestamps)
         assert reductions["hidden_s"] > 0, reductions
         assert overlapped["hidden_s"] > 0, overlapped
+
+
+def _auto_overlap(rank, world):
+    """FSDP2 with the default ``"overlap": "auto"`` on a slow link (each reduce-scatter as long
+    as a layer's backward) and with ``"overlap": false``: what the trial chose, the losses and
+    the weights of each."""
+    from torch.distributed.fsdp import fully_shard
+
+    import slipstream
+    from _overlap_trial import Layers, batch, slow_link
+    from slipstream import fsdp
+    from slipstream.core_comm.config import CommConfig
+    from slipstream.core_comm.tuner import overlap as ot
+
+    runs = {}
+    for overlap in ("auto", False):
+        torch.manual_seed(0)
+        model = Layers(compute_s=0.08)
+        for layer in model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        fsdp.apply(model, CommConfig(overlap=overlap))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses = []
+        with slow_link(0.08):
+            for step in range(ot.WARMUP + 2 * ot.ROUNDS + 1):
+                x, y = batch(rank, step)
+                loss = (model(x) - y).pow(2).mean()
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.item())
+        facts = slipstream.status()["stacks"]["fsdp"]
+        runs[overlap] = losses, [p.to_local().detach().clone() for p in model.parameters()], facts
+        fsdp.remove(model)
+    (auto, auto_w, facts), (blocking, blocking_w, _) = runs["auto"], runs[False]
+    assert auto == blocking and all(torch.equal(a, b) for a, b in zip(auto_w, blocking_w))
+    return facts
+
+
+def test_fsdp2_overlap_auto_overlaps_on_a_slow_link_bit_equal_to_blocking(tmp_path):
+    for facts in run_ranks(_auto_overlap, 2, env={"SLIPSTREAM_OVERLAP_DIR": str(tmp_path)}, timeout=300):
+        assert facts["reductions_during_backward"] is True, facts
+        assert "FSDP2 reductions overlapped (measured" in facts["overlap"], facts

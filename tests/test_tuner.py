@@ -269,3 +269,67 @@ def _tuned_comm(rank, world, cache_dir):
 def test_tuned_communicator_runs_the_cached_plan(tmp_path):
     out = run_ranks(_tuned_comm, 2, str(tmp_path), timeout=120)
     assert out == [("cached", 3.0), ("cached", 3.0)]
+
+
+class _Clock:
+    """``time.perf_counter`` of the overlap trial, advanced by the test."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+def _run_trial(trial, clock, blocking_s, overlapped_s, steps, warmup_s=5.0):
+    """``steps`` steps, each taking the mode's time (the untimed warm-up steps ``warmup_s``);
+    the mode each step ran in."""
+    from slipstream.core_comm.tuner import overlap as ot
+
+    modes = []
+    for step in range(steps):
+        modes.append(trial.overlap)
+        clock.now += warmup_s if step < ot.WARMUP else overlapped_s if trial.overlap else blocking_s
+        trial.step_done()
+    return modes
+
+
+@pytest.mark.parametrize("blocking_s, overlapped_s, chosen", [(1.0, 0.9, True), (1.0, 0.99, False), (1.0, 1.3, False)],
+                         ids=["10%-faster", "1%-faster", "slower"])
+def test_overlap_trial_times_both_modes_in_turns_and_keeps_overlap_only_when_measurably_faster(
+        monkeypatch, tmp_path, blocking_s, overlapped_s, chosen):
+    from slipstream.core_comm.tuner import overlap as ot
+
+    clock = _Clock()
+    monkeypatch.setattr(ot, "time", clock)
+    monkeypatch.setenv("SLIPSTREAM_OVERLAP_DIR", str(tmp_path))
+    trial = ot.OverlapTrial("test buckets", {"model": 1})
+    decided = []
+    trial.on_decided = decided.append
+    modes = _run_trial(trial, clock, blocking_s, overlapped_s, 2 * ot.ROUNDS + ot.WARMUP + 3)
+    # blocking first, one overlapped warm-up, then the two in turns; the choice from then on
+    assert modes == [False, True] + [False, True] * ot.ROUNDS + [chosen] * 3, modes
+    assert trial.choice is chosen and decided == [trial]
+    assert (f"{overlapped_s:.3f} s overlapped against {blocking_s:.3f} s blocking" in trial.reason
+            and ("overlapped (measured" if chosen else "blocking (measured") in trial.reason), trial.reason
+
+
+def test_overlap_trial_choice_is_cached_per_key_and_link(monkeypatch, tmp_path):
+    from slipstream.core_comm.tuner import overlap as ot
+
+    clock = _Clock()
+    monkeypatch.setattr(ot, "time", clock)
+    monkeypatch.setenv("SLIPSTREAM_OVERLAP_DIR", str(tmp_path))
+    monkeypatch.setenv("SLIPSTREAM_LINK", "100mbit")
+    first = ot.OverlapTrial("test buckets", {"model": 1})
+    _run_trial(first, clock, 1.0, 0.5, 2 * ot.ROUNDS + ot.WARMUP)
+    assert first.choice is True and len(list(tmp_path.iterdir())) == 1
+    again = ot.OverlapTrial("test buckets", {"model": 1})
+    # the next run: overlapped from its second step, no trial, whatever its steps take
+    assert _run_trial(again, clock, 0.5, 1.0, 4) == [False, True, True, True]
+    assert again.choice is True and "cached from an earlier run" in again.reason, again.reason
+    assert "0.500 s overlapped against 1.000 s blocking" in again.reason
+    for key, link in (({"model": 2}, "100mbit"), ({"model": 1}, "1gbit")):  # another model, another link
+        monkeypatch.setenv("SLIPSTREAM_LINK", link)
+        other = ot.OverlapTrial("test buckets", key)
+        assert _run_trial(other, clock, 1.0, 0.5, 3) == [False, True, False] and other.choice is None

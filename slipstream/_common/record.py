@@ -12,7 +12,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-__all__ = ["deferred", "note_stack", "on_start", "stacks", "start", "switch", "warn_once", "warnings"]
+__all__ = ["deferred", "note_stack", "on_start", "stacks", "start", "switch", "update_stack", "warn_once", "warnings"]
 
 log = logging.getLogger("slipstream")
 
@@ -48,6 +48,12 @@ def note_stack(name: str, **facts: Any) -> None:
     """An adapter records what it did (or why it left its stack stock)."""
     with _RECORD.lock:
         _RECORD.stacks[name] = dict(facts)
+
+
+def update_stack(name: str, **facts: Any) -> None:
+    """An adapter's later finding about its stack (a choice made during the job)."""
+    with _RECORD.lock:
+        _RECORD.stacks.setdefault(name, {}).update(facts)
 
 
 def stacks() -> dict[str, dict]:

@@ -25,6 +25,9 @@ CONFIG_VAR = "SLIPSTREAM_CONFIG"
 ENV_PREFIX = "SLIPSTREAM_"
 
 
+_BOOL_WORDS = ("1", "true", "yes", "on", "0", "false", "no", "off", "")
+
+
 def parse_bool(raw: str) -> bool:
     low = raw.strip().lower()
     if low in ("1", "true", "yes", "on"):
@@ -83,7 +86,9 @@ class Settings:
             if raw is None or kind not in (bool, int, float) and kinds != (str,):
                 continue
             try:
-                values[name] = parse_bool(raw) if kind is bool else kind(raw)
+                # a boolean that also takes a word (``overlap``: true, false or "auto")
+                word = kind is bool and str in kinds and raw.strip().lower() not in _BOOL_WORDS
+                values[name] = raw.strip().lower() if word else parse_bool(raw) if kind is bool else kind(raw)
                 cls.check_field(name, values[name])
             except ValueError as e:
                 raise ValueError(f"{var}={raw!r}: {e}") from None

@@ -322,7 +322,10 @@ class EmulatedCluster:
                 "--node-rank", str(i), "--nproc-per-node", str(spec.ranks_per_node),
                 "--master-addr", self.node_ips[0], "--master-port", str(_MASTER_PORT), *argv,
             ]
-            node_env = {**(env or {}), "SLIPSTREAM_NODE": str(i), "GLOO_SOCKET_IFNAME": self.iface}
+            # the emulated link's rate and faults: what a choice cached by the ranks is valid for
+            link = " ".join(x for x in (spec.link, spec.per_connection_rate, spec.impair) if x)
+            node_env = {**(env or {}), "SLIPSTREAM_NODE": str(i), "GLOO_SOCKET_IFNAME": self.iface,
+                        "SLIPSTREAM_LINK": link or "unlimited"}
             commands.append((self.node_command(i, torchrun), node_env))
         _run_nodes(commands, timeout)
 

@@ -50,14 +50,16 @@ class CommConfig(Settings):
     set-up that makes no progress for this long raises (a peer died or called something else)."""
     debug: bool = False
     """Before every collective, check that all ranks call it with the same size and dtype."""
-    overlap: bool = False
+    overlap: bool | str = "auto"
     """Adapters issue a stack's gradient reductions asynchronously and wait where the stack
     needs their result (ZeRO-1/2: full buckets during backward, waited at its end; FSDP2 / HSDP:
     each layer's reduction during backward, waited at its end), so the link works while the
-    cores compute. Off (the default): each reduction blocks, as the stack does. Opt-in because
-    on a CPU the collectives' own work competes with compute for the cores: measured on 2
-    cores, a net gain on a 100 Mbit/s link (ZeRO-2, FSDP2), a loss for ZeRO-2 on 1 Gbit/s
-    (benchmarks/results/overlap_*)."""
+    cores compute. On a CPU the collectives' own work competes with compute for the cores:
+    measured on 2 cores, a net gain on a 100 Mbit/s link (ZeRO-2, FSDP2), a loss for ZeRO-2 on
+    1 Gbit/s (benchmarks/results/overlap_*). ``"auto"`` (the default): ZeRO-2 and FSDP2 on a CPU
+    time blocking and overlapped steps in turns in the job's first steps and keep the faster
+    (``tuner/overlap.py``; the choice is cached for the next run); ZeRO-1 and ZeRO-3 block.
+    ``true`` / ``false`` force it. The results are bit-equal either way."""
 
     wire: str = "full"
     """The format of the cross-node stage of float collectives of at least ``wire_min_bytes``
@@ -87,6 +89,8 @@ class CommConfig(Settings):
             raise ValueError(f"connections must be between 1 and 16, got {value}")
         if name == "port_base" and not 0 <= value < 65536:
             raise ValueError(f"port_base must be a port number (or 0), got {value}")
+        if name == "overlap" and value not in (True, False, "auto"):
+            raise ValueError(f"overlap must be true, false or \"auto\", got {value!r}")
         if name == "wire" and value not in WIRE_FORMATS:
             raise ValueError(f"wire must be one of {', '.join(WIRE_FORMATS)}, got {value!r}")
         if name in ("min_hierarchical_bytes", "wire_min_bytes") and value < 0:

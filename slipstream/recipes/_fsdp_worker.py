@@ -89,7 +89,7 @@ def _time_comms(model, timer: CommTimer) -> None:
         if isinstance(module, FSDPModule):
             for group in module._get_fsdp_state()._fsdp_param_groups:
                 for attr, name in (("_all_gather_comm", "all_gather"), ("_reduce_scatter_comm", "reduce_scatter")):
-                    setattr(group, attr, Timed(getattr(group, attr), timer, call=name))
+                    setattr(group, attr, Timed(getattr(group, attr), timer, call=name, wait_suffix=".wait"))
 
 
 def options(p: argparse.ArgumentParser) -> None:

@@ -58,7 +58,7 @@ class Timed:
         self._call, self._suffix = call, wait_suffix
 
     def __call__(self, *args, **kwargs):
-        return self._timer.wrap(self._call, self._target)(*args, **kwargs)
+        return self._timer.wrap(self._call, self._target, self._call + self._suffix)(*args, **kwargs)
 
     def __getattr__(self, name: str):
         attr = getattr(self._target, name)

@@ -202,6 +202,8 @@ def compare_table(stock: dict, ours: dict, peer: dict | None = None) -> str:
             cells.append("-" if ratio is None else f"{ratio:.2f}x")
         lines.append(f"| {label:20} | " + " | ".join(f"{c:>{max(9, len(h))}}" for c, h in zip(cells, heads)) + " |")
     lines.append(f"\nmax per-step relative loss difference: {max(diffs):.2e} over {len(diffs)} steps")
+    if ours.get("overlap"):
+        lines.append(f"slipstream's {ours['overlap']}")
     if ours.get("wire", "full") != "full":
         lines.append(f"{ours['wire']} across nodes, loss drift against the lossless stock run, per step: "
                      + " ".join(f"{(b - a) / abs(a):+.1e}" for a, b in zip(stock["losses"], ours["losses"])))

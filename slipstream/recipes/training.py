@@ -19,6 +19,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from .._common import record
 from ..cluster.worker import add_flags, least
 from ..core_comm import counters
 from ..core_compile import balance, global_token_count
@@ -152,7 +153,9 @@ def summary(args, records: list[dict], timer: CommTimer, model, *, varlen: bool,
         "padding_removed": removed,
         "losses": [r["loss"] for r in records], "final_loss": records[-1]["loss"], "checkpoint": checkpoint,
         "comm_by_op": timer.calls(), "comm_paths": counters.snapshot(),
-        "compile": compiled.to_dict() if compiled is not None else None, **fields,
+        "compile": compiled.to_dict() if compiled is not None else None,
+        "overlap": next((facts["overlap"] for facts in record.stacks().values() if facts.get("overlap")), None),
+        **fields,
     }
 
 

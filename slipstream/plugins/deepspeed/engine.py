@@ -18,7 +18,7 @@ import sys
 import torch
 
 from ..._common import record
-from ..._common.record import deferred, note_stack, warn_once
+from ..._common.record import deferred, note_stack, update_stack, warn_once
 from .._adapter import apply_job_effects, compile_model, read_config, undo_job_effects
 from ..._common.patch import patch, unpatch
 from ...core_comm import pool
@@ -88,8 +88,14 @@ def _set_up(original, args, kwargs):
     # (its buckets, its reductions, its streams) and no communicator built for it
     stays = pool.decide(None, _device_type(), torch.float32, config=settings.comm)
     ours = stays is None
-    if ours:
-        ds_config = bucket_defaults(ds_config, _recommended_buckets(backend, ds_config, settings.comm.overlap))
+    overlap = settings.comm.overlap
+    stage = ds_config.get("zero_optimization", {}).get("stage", 0)
+    # "auto" trials ZeRO-2 on a CPU step by step (its buckets: DeepSpeed's sizes while blocking,
+    # the tuner's while overlapped); ZeRO-3's prefetch buckets are set once, ZeRO-1 reduces after
+    # backward: they block
+    trial = ours and overlap == "auto" and _on_cpu() and stage == 2
+    if ours and not trial:
+        ds_config = bucket_defaults(ds_config, _recommended_buckets(backend, ds_config, overlap is True))
     apply_job_effects(settings, on_cpu=_on_cpu())
     if settings.varlen is not None:
         from ...core_compile import apply_varlen
@@ -103,7 +109,6 @@ def _set_up(original, args, kwargs):
         params["args"].deepspeed_config = None
     params["config"] = ds_config
     result = original(*bound.args, **bound.kwargs)
-    stage = ds_config.get("zero_optimization", {}).get("stage", 0)
     if stage == 3 and settings.compile is not None:  # its parameter prefetch follows the forward's order
         warn_once("compile: skipped under ZeRO-3 (its layers gather parameters in hooks; they stay eager)")
         compiled = False
@@ -111,24 +116,74 @@ def _set_up(original, args, kwargs):
         # DeepSpeed's hooks: the hook-free regions; the search's budget a share of the run, if stated
         compiled = compile_model(result[0].module, settings, steps=run_length(ds_config),
                                  micro_batches=result[0].gradient_accumulation_steps())
-    owners = ours and patch_zero_optimizer(result[0].optimizer, overlap=settings.comm.overlap)
-    if ours and stage == 3 and settings.comm.overlap:
-        patch_zero3_optimizer(result[0].optimizer)
-    overlapped = overlaps(result[0].optimizer)
+    engine = result[0]
+    chooser = _overlap_trial(backend, engine, ds_config, stage) if trial else None
+    owners = ours and patch_zero_optimizer(engine.optimizer, overlap=overlap is True, trial=chooser,
+                                           overlap_bucket=_overlap_bucket(backend, ds_config) if trial else None)
+    if ours and stage == 3 and overlap is True:
+        patch_zero3_optimizer(engine.optimizer)
+    overlapped = overlaps(engine.optimizer)
+    if chooser is not None and not overlapped:
+        chooser = None  # DeepSpeed's optimizer cannot defer its buckets here: they block
     if owners:
         log.info("slipstream: ZeRO gradient buckets reduced to their owners (reduce-scatter)%s",
-                 ", during backward" if overlapped else "")
+                 " (overlap auto: a trial times blocking and overlapped steps)" if chooser is not None
+                 else ", during backward" if overlapped else "")
     elif overlapped:
         log.info("slipstream: ZeRO-3 gradient buckets reduce-scattered during backward")
     note_stack("deepspeed", engaged=True, zero_stage=stage,
                collectives=("deepspeed.comm through the core" if ours else
                             f"DeepSpeed's own ({stays})"),
-               gradient_buckets_to_owners=bool(owners), buckets_during_backward=bool(overlapped),
+               gradient_buckets_to_owners=bool(owners),
+               buckets_during_backward="auto (in trial)" if chooser is not None else bool(overlapped),
+               overlap=chooser.reason if chooser is not None else _fixed_overlap(overlap, ours, stage),
                varlen=settings.varlen is not None, compile=compiled)
+    if chooser is not None:
+        chooser.on_decided = _noted_choice
     if ours:
         backend.communicator(None)  # built now (every rank is here) so that the line names its paths
     record.start(by_adapter=True)
     return result
+
+
+def _overlap_trial(backend, engine, ds_config: dict, stage: int):
+    """The ``OverlapTrial`` of a ZeRO-2 engine on a CPU, keyed by what its steps' times depend
+    on: the model, the batch, the ZeRO stage and dtype, the group's layout."""
+    from ...core_comm.tuner import TuneKey
+    from ...core_comm.tuner.overlap import OverlapTrial
+
+    params = [p for p in engine.module.parameters() if p.requires_grad]
+    key = {"stack": f"deepspeed-zero{stage}", "params": sum(p.numel() for p in params), "tensors": len(params),
+           "dtype": str(params[0].dtype) if params else "", "micro_batch": engine.train_micro_batch_size_per_gpu(),
+           "accumulation": engine.gradient_accumulation_steps(),
+           "buckets": ds_config.get("zero_optimization", {}).get("reduce_bucket_size"),
+           "layout": TuneKey.of(backend.communicator(None)).filename()}
+    return OverlapTrial(f"ZeRO-{stage} gradient buckets", key, engine.optimizer.dp_process_group)
+
+
+def _overlap_bucket(backend, ds_config: dict) -> int | None:
+    """The gradient bucket of overlapped steps under ``"auto"``: the config's own, else the tuner's."""
+    own = ds_config.get("zero_optimization", {}).get("reduce_bucket_size")
+    return own if own is not None else _recommended_buckets(backend, ds_config, True).get("reduce_bucket_size")
+
+
+def _noted_choice(trial) -> None:
+    """The trial decided: ``status()`` and the log say which and why."""
+    update_stack("deepspeed", buckets_during_backward=trial.choice, overlap=trial.reason)
+    log.info("slipstream: %s", trial.reason)
+
+
+def _fixed_overlap(overlap, ours: bool, stage: int) -> str:
+    """What ``overlap`` does where no trial runs."""
+    if not ours:
+        return "the stack's own"
+    if overlap != "auto":
+        return "forced on" if overlap else "forced off"
+    why = ("ZeRO-3's buckets are set at start-up; \"overlap\": true overlaps them" if stage == 3
+           else "ZeRO-1 reduces its buckets after backward" if stage == 1
+           else "no ZeRO gradient buckets" if stage == 0
+           else "trialled on a CPU only" if not _on_cpu() else "DeepSpeed's optimizer cannot defer its buckets here")
+    return f"auto: blocking ({why})"
 
 
 def _switched_on():

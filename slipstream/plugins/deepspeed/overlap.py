@@ -33,6 +33,7 @@ from __future__ import annotations
 import torch
 
 from ..._common.patch import patch, unpatch
+from ...core_comm.tuner.overlap import OverlapTrial
 from ...core_comm.work import InFlight
 
 __all__ = ["Deferred", "Deferred3", "IN_FLIGHT_BUCKETS", "OWNER", "STAGE3_PRIVATE", "stage3_name"]
@@ -83,12 +84,22 @@ class _Spares:
 class Deferred(_Spares):
     """The buckets of one ZeRO-1/2 optimizer whose reduction is in flight."""
 
-    __slots__ = ("collecting",)
+    __slots__ = ("collecting", "trial", "buckets")
 
-    def __init__(self) -> None:
+    def __init__(self, trial: OverlapTrial | None = None, buckets: tuple[int, int] | None = None) -> None:
         super().__init__()
         self.collecting: list | None = None
         """While a bucket's reduction is issued: its ``(work, finish)`` pairs (``zero.py``)."""
+        self.trial = trial
+        """With ``"overlap": "auto"``: the trial that says, step by step, whether buckets are
+        deferred (None: always)."""
+        self.buckets = buckets
+        """With a trial: DeepSpeed's ``reduce_bucket_size`` for (blocking, overlapped) steps."""
+
+    @property
+    def active(self) -> bool:
+        """Whether this step's buckets are reduced while backward goes on."""
+        return self.trial is None or self.trial.overlap
 
     # ---------------------------------------------------------------- DeepSpeed's methods
 
@@ -100,7 +111,7 @@ class Deferred(_Spares):
         keys = optimizer.ipg_buckets.keys()
         for dtype in [comm_dtype] if comm_dtype is not None else stage_1_and_2.sort_dtypes(keys):
             bucket = optimizer.ipg_buckets[dtype]
-            if bucket.elements and _deferrable(optimizer, bucket, dtype):
+            if self.active and bucket.elements and _deferrable(optimizer, bucket, dtype):
                 self._issue(optimizer, bucket, dtype)
             else:
                 self.drain(optimizer)
@@ -112,6 +123,12 @@ class Deferred(_Spares):
         self.reduce_ipg_grads(optimizer)
         self.drain(optimizer)
         type(optimizer).independent_gradient_partition_epilogue(optimizer)
+        if self.trial is not None and getattr(optimizer, "is_gradient_accumulation_boundary", True):
+            self.trial.step_done()  # the same point of every step on every rank
+            size = self.buckets[self.trial.overlap]
+            if size != optimizer.reduce_bucket_size:  # DeepSpeed allocates the next step's buffers
+                optimizer.reduce_bucket_size = size
+                self.spare.clear()
 
     # ---------------------------------------------------------------- the deferral
 

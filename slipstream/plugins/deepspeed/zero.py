@@ -25,10 +25,11 @@ for the allreduce (``slipstream bench comm``, benchmarks/results/finetune_*.md).
 from __future__ import annotations
 
 import functools
+import weakref
 
 import torch
 
-from ..._common.patch import is_patched as _is_patched, patch, uninstall_all
+from ..._common.patch import change, is_patched as _is_patched, patch, uninstall_all
 from .overlap import OWNER as _OWNER, STAGE3_PRIVATE, Deferred, Deferred3, stage3_name
 
 __all__ = ["patch_zero_optimizer", "patch_zero3_optimizer", "unpatch_all", "is_patched", "overlaps", "owner_layout"]
@@ -133,17 +134,27 @@ def is_patched(optimizer) -> bool:
     return _is_patched(optimizer, _METHOD)
 
 
-def patch_zero_optimizer(optimizer, overlap: bool = False) -> bool:
+def patch_zero_optimizer(optimizer, overlap: bool = False, trial=None, overlap_bucket: int | None = None) -> bool:
     """Reduce ``optimizer``'s gradient buckets to their owners, with ``overlap`` while backward
-    goes on (``overlap.py``); True when patched (a stage 1/2 ZeRO optimizer), False for
-    anything else. Idempotent."""
+    goes on (``overlap.py``), or, given ``trial`` (an ``OverlapTrial``), in the mode it says step
+    by step, with ``overlap_bucket`` elements a bucket in overlapped steps (DeepSpeed's own
+    size in blocking ones); True when patched (a stage 1/2 ZeRO optimizer), False for anything
+    else. Idempotent."""
     try:
         from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
     except ImportError:  # pragma: no cover - depends on the DeepSpeed version
         return False
     if not isinstance(optimizer, DeepSpeedZeroOptimizer) or not hasattr(DeepSpeedZeroOptimizer, _METHOD):
         return False
-    deferred = Deferred() if overlap and all(hasattr(optimizer, n) for n in _DEFERRED_NEEDS) else None
+    deferred = None
+    if (overlap or trial is not None) and all(hasattr(optimizer, n) for n in _DEFERRED_NEEDS):
+        size = int(optimizer.reduce_bucket_size)  # what DeepSpeed allocated its bucket buffers for
+        deferred = Deferred(trial, (size, min(size, overlap_bucket or size))) if trial is not None else Deferred()
+        if trial is not None:  # the deferral sets the size of each step's buckets: put back with it
+            ref = weakref.ref(optimizer)
+            change(("zero-buckets", id(optimizer)), f"{type(optimizer).__name__}.reduce_bucket_size, set per step "
+                   "by the overlap trial", lambda: ref() is not None and setattr(ref(), "reduce_bucket_size", size),
+                   owner=_OWNER, target=optimizer)
     patch(optimizer, _METHOD, functools.partial(_reduce_to_owners, optimizer, deferred), owner=_OWNER)
     if deferred is not None:
         patch(optimizer, "reduce_ipg_grads", functools.partial(deferred.reduce_ipg_grads, optimizer), owner=_OWNER)

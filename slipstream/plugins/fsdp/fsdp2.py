@@ -17,6 +17,8 @@ leaves to NCCL, an HSDP replica group) is FSDP2's own call, its stock ``Work`` h
 from __future__ import annotations
 
 import functools
+import logging
+import os
 import weakref
 
 import torch
@@ -30,6 +32,8 @@ from ..._common.patch import change, forget, patch, unpatch
 from . import overlap as _overlap
 
 __all__ = ["apply", "remove", "SlipstreamAllGather", "SlipstreamReduceScatter", "is_applied"]
+
+log = logging.getLogger("slipstream")
 
 _ORIGINALS = "_slipstream_fsdp_comms"  # on each switched module: its param groups' comms before
 _OVERLAPPED = "_slipstream_fsdp_overlap"  # on each module switched with overlap: its groups' settings before
@@ -98,12 +102,13 @@ def apply(model: torch.nn.Module, config: CommConfig | None = None) -> list[str]
     if config is not None and not isinstance(config, CommConfig):
         raise TypeError(f"config must be a CommConfig, got {type(config).__name__}")
     gather_cls, scatter_cls = _classes()
-    overlapped = (config if config is not None else pool.default_config()).overlap
+    overlap = (config if config is not None else pool.default_config()).overlap
     modules = [(name, module) for name, module in model.named_modules() if isinstance(module, FSDPModule)]
     if not modules:
         raise ValueError(f"{type(model).__name__} has no FSDP2 module: call fully_shard on it (and its layers) first")
     switched, kept, during = [], [], False
-    deferral = _overlap.Deferral()  # this call's reductions in flight, where overlap engages
+    # this call's reductions in flight, where overlap engages; under "auto" a trial says when
+    deferral = _overlap.Deferral(_trial(model, modules) if overlap == "auto" else None)
     for name, module in modules:
         label = name or type(module).__name__
         if _ORIGINALS in vars(module):
@@ -121,11 +126,11 @@ def apply(model: torch.nn.Module, config: CommConfig | None = None) -> list[str]
         before = [(g._all_gather_comm, g._reduce_scatter_comm) for g in groups]
         module.set_custom_all_gather(gather_cls(config))
         # on a device with streams FSDP2 overlaps its own collectives: left as it is
-        on_cpu = overlapped and all(g.device.type == "cpu" for g in groups)
+        on_cpu = overlap is not False and all(g.device.type == "cpu" for g in groups)
         module.set_custom_reduce_scatter(scatter_cls(config, deferral if on_cpu else None))
         vars(module)[_ORIGINALS] = before
         if on_cpu:
-            vars(module)[_OVERLAPPED] = _overlap.engage(groups)
+            vars(module)[_OVERLAPPED] = _overlap.engage(groups, deferral)
             during = True
         for g in groups:  # HSDP: the replicate group's all-reduce of each reduce-scatter output
             replicate = getattr(g.mesh_info, "replicate_process_group", None)
@@ -136,13 +141,43 @@ def apply(model: torch.nn.Module, config: CommConfig | None = None) -> list[str]
         ref = weakref.ref(model)
         change(("fsdp2", id(model)), f"{type(model).__name__}: FSDP2 all-gathers and reduce-scatters through the core",
                lambda: ref() is not None and remove(ref()), owner="fsdp", target=model)
+    during = during or any(_OVERLAPPED in vars(m) for _, m in modules)
+    trial = deferral.trial if deferral.groups else None  # None: no module engaged by this call
+    if trial is not None:
+        trial.on_decided = _noted_choice
+        what = trial.reason
+    elif not switched:
+        what = None
+    elif not during:
+        what = "off" if overlap is False else "no module on a CPU (FSDP2's own streams)"
+    else:
+        what = "on" if overlap is True else "as an earlier apply set it"
     note_stack("fsdp", engaged=bool(switched), by="slipstream.fsdp.apply", modules_through_the_core=len(switched),
                hsdp_replicate_all_reduce="through the core" if _HSDP.groups else None,
-               reductions_during_backward=during or any(_OVERLAPPED in vars(m) for _, m in modules),
+               reductions_during_backward="auto (in trial)" if trial is not None else during, overlap=what,
                modules_left_to_fsdp=f"{len(kept)} ({kept[0]})" if kept else None)
     if kept and not switched:  # no communicator will be built to start the job's line: say it now
         record.start()
     return switched
+
+
+def _trial(model: torch.nn.Module, modules: list):
+    """The ``OverlapTrial`` of one ``apply``, keyed by the model's parameters, its FSDP modules
+    and the job's layout; it agrees over the default group (every rank of the job runs the
+    same backward passes; under either mode the same collectives, in the same order)."""
+    from ...core_comm.tuner.overlap import OverlapTrial
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    key = {"stack": "fsdp2", "model": type(model).__name__, "params": sum(p.numel() for p in params),
+           "tensors": len(params), "dtype": str(params[0].dtype) if params else "", "modules": len(modules),
+           "world": dist.get_world_size(), "ranks_per_node": os.environ.get("LOCAL_WORLD_SIZE", "")}
+    return OverlapTrial("FSDP2 reductions", key, dist.group.WORLD)
+
+
+def _noted_choice(trial) -> None:
+    """The trial decided: ``status()`` and the log say which and why."""
+    record.update_stack("fsdp", reductions_during_backward=trial.choice, overlap=trial.reason)
+    log.info("slipstream: %s", trial.reason)
 
 
 def _stays_stock(state, config: CommConfig | None) -> str | None:

@@ -1,4 +1,5 @@
-"""FSDP2's gradient reductions run while backward goes on (``"comm": {"overlap": true}``).
+"""FSDP2's gradient reductions run while backward goes on (``"comm": {"overlap": true}``, or
+where ``"auto"``'s trial measures it faster: ``Deferral.trial``).
 
 On a CPU, FSDP2 calls its collectives synchronously: ``foreach_reduce`` reduce-scatters a
 layer's gradients (and, under HSDP, all-reduces the result across replicas) and the rank waits,
@@ -32,6 +33,7 @@ import functools
 import inspect
 
 from ..._common.patch import patch, unpatch
+from ...core_comm.tuner.overlap import OverlapTrial
 from ...core_comm.work import InFlight
 
 __all__ = ["Deferral", "engage", "release"]
@@ -40,9 +42,14 @@ __all__ = ["Deferral", "engage", "release"]
 class Deferral:
     """The reductions in flight of the overlapped FSDP2 modules of one ``apply``."""
 
-    __slots__ = ("queue", "issuing")
+    __slots__ = ("queue", "issuing", "trial", "groups")
 
-    def __init__(self) -> None:
+    def __init__(self, trial: OverlapTrial | None = None) -> None:
+        self.trial = trial
+        """With ``"overlap": "auto"``: the trial that says, backward by backward, whether the
+        reductions run during backward (None: always)."""
+        self.groups: list = []
+        """With a trial: ``(parameter group, its own unshard_async_op)`` of every engaged module."""
         self.queue = InFlight()
         """The reductions issued, in order, not yet waited for (the core's one in-flight
         queue: every one waited for, the first failure raised naming its call). Unbounded:
@@ -51,9 +58,23 @@ class Deferral:
         """While a deferred ``foreach_reduce`` runs: the call to issue asynchronously,
         ``"reduce_scatter"`` or ``"all_reduce"``."""
 
+    @property
+    def active(self) -> bool:
+        """Whether this backward's reductions are issued during it."""
+        return self.trial is None or self.trial.overlap
+
     def take(self, kind: str) -> bool:
         """Whether the ``kind`` call now running is the one to issue asynchronously."""
         return self.issuing == kind
+
+    def step_done(self) -> None:
+        """A backward ended (every reduction waited for): the trial times it and says how the
+        next one runs, the prefetched all-gathers asynchronous with the reductions or not."""
+        if self.trial is None:
+            return
+        self.trial.step_done()
+        for group, own in self.groups:
+            group.unshard_async_op = True if self.trial.overlap else own
 
     def issued(self, kind: str, work) -> None:
         self.queue.push(f"FSDP2 {kind}", [work])
@@ -69,13 +90,16 @@ _ENGAGED = [0]
 one (a count for installing and removing them; no call reads it)."""
 
 
-def engage(groups) -> list:
-    """Overlap the FSDP2 parameter ``groups`` of one module; returns what ``release`` puts back."""
+def engage(groups, deferral: Deferral) -> list:
+    """Overlap the FSDP2 parameter ``groups`` of one module, with ``deferral``'s reductions
+    (from its trial's first overlapped step, under ``"auto"``); returns what ``release`` puts back."""
     from torch.distributed.fsdp._fully_shard import _fsdp_param_group, _fsdp_state
 
     before = [g.unshard_async_op for g in groups]
-    for g in groups:
-        g.unshard_async_op = True
+    for g, own in zip(groups, before):
+        if deferral.trial is not None:
+            deferral.groups.append((g, own))
+        g.unshard_async_op = deferral.active or own
     if _ENGAGED[0] == 0:
         patch(_fsdp_param_group, "foreach_reduce", _deferring(_fsdp_param_group.foreach_reduce), owner="fsdp")
         patch(_fsdp_state.FSDPState, "_root_post_backward_final_callback",
@@ -88,11 +112,14 @@ def release(groups, before: list) -> None:
     """Undo ``engage`` for one module (after waiting for what is in flight)."""
     from torch.distributed.fsdp._fully_shard import _fsdp_param_group, _fsdp_state
 
-    first = _drain(_deferrals(groups))
+    deferrals = _deferrals(groups)
+    first = _drain(deferrals)
     if first is not None:
         raise first
     for g, was in zip(groups, before):
         g.unshard_async_op = was
+    for deferral in deferrals:
+        deferral.groups = [(g, own) for g, own in deferral.groups if all(g is not x for x in groups)]
     _ENGAGED[0] -= 1
     if _ENGAGED[0] == 0:
         unpatch(_fsdp_param_group, "foreach_reduce")
@@ -147,6 +174,8 @@ def _draining(original):
         first = _drain(deferrals)  # every one waited for, the first failure raised
         if first is not None:
             raise first
+        for deferral in deferrals:  # the same point of every backward on every rank
+            deferral.step_done()
 
     return final_callback
 
@@ -160,7 +189,7 @@ def _deferrable(signature, args, kwargs) -> tuple[Deferral, str] | None:
         a = signature.bind(*args, **kwargs).arguments
         comm, grads, params = a["reduce_scatter_comm"], a["unsharded_grads"], a["fsdp_params"]
         deferral = getattr(comm, "deferral", None)
-        if deferral is None or a["device"].type != "cpu" or not grads:
+        if deferral is None or not deferral.active or a["device"].type != "cpu" or not grads:
             return None
         reduce_dtype = a["reduce_dtype"] or grads[0].dtype
         group, replicas = a["reduce_scatter_group"], a["all_reduce_group"]

@@ -1,0 +1,74 @@
+"""A model and a link for the ``"overlap": "auto"`` tests: backward compute and a transfer
+time the test sets, as sleeps (no CPU taken), so that which mode is faster is known."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+
+import torch
+
+
+class SlowBackward(torch.autograd.Function):
+    """Identity whose backward sleeps: a layer's backward compute, as long as the test says."""
+
+    @staticmethod
+    def forward(ctx, x, seconds):
+        ctx.seconds = seconds
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(ctx.seconds)
+        return grad, None
+
+
+WIDTH = 192
+"""A layer's gradients in one bucket of its owner, laid out for 2 ranks: 296 KB, a size the
+core's path takes across nodes (smaller ones may go to the stock collective)."""
+LAYER = WIDTH * WIDTH + WIDTH
+"""Parameters of one layer."""
+
+
+class Layers(torch.nn.Module):
+    """Four layers, each with ``compute_s`` of backward after its gradients are ready (the
+    first's input needs no gradient: 3 such waits a step)."""
+
+    def __init__(self, compute_s: float) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(WIDTH, WIDTH) for _ in range(4))
+        self.compute_s = compute_s
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.tanh(layer(SlowBackward.apply(x, self.compute_s)))
+        return x
+
+
+def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(4, WIDTH, generator=g), torch.randn(4, WIDTH, generator=g)
+
+
+@contextlib.contextmanager
+def slow_link(delay_s: float):
+    """Every reduce-scatter of the core takes ``delay_s`` more, on the thread that runs it (the
+    caller's when it blocks, the communicator's when issued asynchronously), as a slow link
+    would; ``SLIPSTREAM_LINK`` names the link, as the emulated cluster does."""
+    from slipstream.core_comm import Communicator
+
+    resize = Communicator._resize
+
+    def slowed(self, kind, *args):
+        if kind == "reduce_scatter":
+            time.sleep(delay_s)
+        return resize(self, kind, *args)
+
+    Communicator._resize = slowed
+    os.environ["SLIPSTREAM_LINK"] = f"{delay_s} s a reduce-scatter"
+    try:
+        yield
+    finally:
+        Communicator._resize = resize
+        del os.environ["SLIPSTREAM_LINK"]
