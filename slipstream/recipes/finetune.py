@@ -165,6 +165,7 @@ def _print_summary(r: dict) -> None:
         f"step {r['step_time_s']:.3f} s (communication {r['comm_time_s']:.3f} s, exposed {r['exposed_comm_s']:.3f} s), "
         f"padding removed {100 * r['padding_removed']:.0f}%, final loss {r['final_loss']:.4f}, "
         f"peak memory {r['peak_mem_mb']:.0f} MiB" + (f"\ncheckpoint: {r['checkpoint']}" if r["checkpoint"] else "")
+        + (f"\n{r['overlap']}" if r.get("overlap") else "")
     )
 
 
