@@ -3,6 +3,8 @@ section, and apply the job-wide effects of its settings once per process."""
 
 from __future__ import annotations
 
+import functools
+import logging
 import sys
 from typing import Any, Mapping
 
@@ -48,3 +50,14 @@ def compile_model(model, settings: SlipstreamConfig | None, group=None, steps: i
 
         install()  # a Hugging Face Trainer tells the run's length when training starts
     return True
+
+
+def note_overlap_choice(stack: str, fact: str):
+    """The ``on_decided`` of a stack's ``OverlapTrial``: once the trial decides, ``status()``'s
+    record of ``stack`` says which (``fact``: True when overlapped) and why, and the log too."""
+    return functools.partial(_noted_choice, stack, fact)
+
+
+def _noted_choice(stack: str, fact: str, trial) -> None:
+    record.update_stack(stack, **{fact: trial.choice, "overlap": trial.reason})
+    logging.getLogger("slipstream").info("slipstream: %s", trial.reason)

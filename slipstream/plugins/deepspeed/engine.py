@@ -18,8 +18,8 @@ import sys
 import torch
 
 from ..._common import record
-from ..._common.record import deferred, note_stack, update_stack, warn_once
-from .._adapter import apply_job_effects, compile_model, read_config, undo_job_effects
+from ..._common.record import deferred, note_stack, warn_once
+from .._adapter import apply_job_effects, compile_model, note_overlap_choice, read_config, undo_job_effects
 from ..._common.patch import patch, unpatch
 from ...core_comm import pool
 from ...core_comm.tuner import load_plan
@@ -139,7 +139,7 @@ def _set_up(original, args, kwargs):
                overlap=chooser.reason if chooser is not None else _fixed_overlap(overlap, ours, stage),
                varlen=settings.varlen is not None, compile=compiled)
     if chooser is not None:
-        chooser.on_decided = _noted_choice
+        chooser.on_decided = note_overlap_choice("deepspeed", "buckets_during_backward")
     if ours:
         backend.communicator(None)  # built now (every rank is here) so that the line names its paths
     record.start(by_adapter=True)
@@ -165,12 +165,6 @@ def _overlap_bucket(backend, ds_config: dict) -> int | None:
     """The gradient bucket of overlapped steps under ``"auto"``: the config's own, else the tuner's."""
     own = ds_config.get("zero_optimization", {}).get("reduce_bucket_size")
     return own if own is not None else _recommended_buckets(backend, ds_config, True).get("reduce_bucket_size")
-
-
-def _noted_choice(trial) -> None:
-    """The trial decided: ``status()`` and the log say which and why."""
-    update_stack("deepspeed", buckets_during_backward=trial.choice, overlap=trial.reason)
-    log.info("slipstream: %s", trial.reason)
 
 
 def _fixed_overlap(overlap, ours: bool, stage: int) -> str:

@@ -17,7 +17,6 @@ leaves to NCCL, an HSDP replica group) is FSDP2's own call, its stock ``Work`` h
 from __future__ import annotations
 
 import functools
-import logging
 import os
 import weakref
 
@@ -29,11 +28,10 @@ from ...core_comm.config import CommConfig
 from ..._common import lazy, record
 from ..._common.record import note_stack, warn_once
 from ..._common.patch import change, forget, patch, unpatch
+from .._adapter import note_overlap_choice
 from . import overlap as _overlap
 
 __all__ = ["apply", "remove", "SlipstreamAllGather", "SlipstreamReduceScatter", "is_applied"]
-
-log = logging.getLogger("slipstream")
 
 _ORIGINALS = "_slipstream_fsdp_comms"  # on each switched module: its param groups' comms before
 _OVERLAPPED = "_slipstream_fsdp_overlap"  # on each module switched with overlap: its groups' settings before
@@ -144,7 +142,7 @@ def apply(model: torch.nn.Module, config: CommConfig | None = None) -> list[str]
     during = during or any(_OVERLAPPED in vars(m) for _, m in modules)
     trial = deferral.trial if deferral.groups else None  # None: no module engaged by this call
     if trial is not None:
-        trial.on_decided = _noted_choice
+        trial.on_decided = note_overlap_choice("fsdp", "reductions_during_backward")
         what = trial.reason
     elif not switched:
         what = None
@@ -172,12 +170,6 @@ def _trial(model: torch.nn.Module, modules: list):
            "tensors": len(params), "dtype": str(params[0].dtype) if params else "", "modules": len(modules),
            "world": dist.get_world_size(), "ranks_per_node": os.environ.get("LOCAL_WORLD_SIZE", "")}
     return OverlapTrial("FSDP2 reductions", key, dist.group.WORLD)
-
-
-def _noted_choice(trial) -> None:
-    """The trial decided: ``status()`` and the log say which and why."""
-    record.update_stack("fsdp", reductions_during_backward=trial.choice, overlap=trial.reason)
-    log.info("slipstream: %s", trial.reason)
 
 
 def _stays_stock(state, config: CommConfig | None) -> str | None:
