@@ -25,14 +25,16 @@ CONFIG_VAR = "SLIPSTREAM_CONFIG"
 ENV_PREFIX = "SLIPSTREAM_"
 
 
-_BOOL_WORDS = ("1", "true", "yes", "on", "0", "false", "no", "off", "")
+_TRUE_WORDS = ("1", "true", "yes", "on")
+_FALSE_WORDS = ("0", "false", "no", "off", "")
+_BOOL_WORDS = _TRUE_WORDS + _FALSE_WORDS
 
 
 def parse_bool(raw: str) -> bool:
     low = raw.strip().lower()
-    if low in ("1", "true", "yes", "on"):
+    if low in _TRUE_WORDS:
         return True
-    if low in ("0", "false", "no", "off", ""):
+    if low in _FALSE_WORDS:
         return False
     raise ValueError("expected 1/0, true/false, yes/no or on/off")
 
