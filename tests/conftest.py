@@ -1,10 +1,12 @@
 import atexit
+import fcntl
 import os
 import re
 import shutil
 import subprocess
 import sys
 import tempfile
+import time
 
 import pytest
 
@@ -45,10 +47,57 @@ def pytest_collection_modifyitems(config, items):
     gpu = _has_gpu()
     netns_reason = _netns_reason()
     for item in items:
+        if item.path.name in TIMED_MODULES:
+            item.add_marker(pytest.mark.timed)
         if "gpu" in item.keywords and not gpu:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA device; none on this machine"))
         if "netns" in item.keywords and netns_reason:
             item.add_marker(pytest.mark.skip(reason=netns_reason))
+
+
+# Modules whose every test times something or waits on a clock (measured compile choices, exits
+# within a timeout, signals, locks): under -n they run alone. Other such tests are marked timed.
+TIMED_MODULES = {"test_compile.py", "test_compile_bounded.py", "test_bench_compile.py", "test_faults.py",
+                 "test_netfaults.py", "test_stop.py", "test_build_lock.py", "test_segments.py"}
+ALONE_WAIT_S = 1200  # the longest a test waits for its turn: longer than any two tests (600 s each)
+
+
+@pytest.fixture(autouse=True)
+def _alone_when_timed(request, tmp_path_factory):
+    """Under pytest-xdist (``-n 2``), a test marked ``timed`` runs with no other test beside it;
+    the rest run two at a time. A readers-writer lock on files the workers share: a timed test
+    takes the turnstile, then the lock exclusively, so that no untimed test starts while it
+    waits or runs; an untimed test passes the turnstile and takes the lock shared."""
+    if not _worker(request.config):
+        yield
+        return
+    folder = tmp_path_factory.getbasetemp().parent  # the run's, shared by its workers (pytest removes it)
+    timed = request.node.get_closest_marker("timed") is not None
+    with open(os.path.join(folder, "turnstile"), "a") as gate, open(os.path.join(folder, "lock"), "a") as lock:
+        _take(gate, fcntl.LOCK_EX, request.node.nodeid)
+        try:
+            _take(lock, fcntl.LOCK_EX if timed else fcntl.LOCK_SH, request.node.nodeid)
+        finally:
+            if not timed:
+                fcntl.flock(gate, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+            if timed:
+                fcntl.flock(gate, fcntl.LOCK_UN)
+
+
+def _take(f, how: int, what: str) -> None:
+    deadline = time.monotonic() + ALONE_WAIT_S
+    while True:
+        try:
+            fcntl.flock(f, how | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{what}: waited {ALONE_WAIT_S} s for the other pytest worker's test") from None
+            time.sleep(0.05)
 
 
 def _gone(pid: int) -> bool:

@@ -199,6 +199,7 @@ def _bit_equal_runs(blocking, overlapped):
 
 @pytest.mark.parametrize("nodes, gas, depth", [((0, 0), 1, 2), ((0, 0, 1, 1), 2, None)],
                          ids=["1node-2-in-flight", "2nodes-grad-accum"])
+@pytest.mark.timed
 def test_zero2_buckets_reduce_while_backward_computes_bit_equal_to_blocking(nodes, gas, depth):
     timelines = run_ranks(_overlap_against_blocking, len(nodes), gas, depth, rank_env=_env(*nodes), timeout=500)
     for blocking, overlapped in timelines:
@@ -252,6 +253,7 @@ def _auto_overlap(rank, world):
     return runs
 
 
+@pytest.mark.timed
 def test_zero2_overlap_auto_chooses_by_measurement_caches_the_choice_and_trains_bit_equal(tmp_path):
     env = {"SLIPSTREAM_OVERLAP_DIR": str(tmp_path)}
     # 2 nodes of a rank each: each layer's bucket (one owner's) goes to its owner (hierarchical path)
@@ -305,6 +307,7 @@ def _zero3_gathers(rank, world):
 
 
 @pytest.mark.slow
+@pytest.mark.timed
 def test_zero3_gathers_parameters_a_bucket_ahead_with_overlap_bit_equal_to_the_default():
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 
