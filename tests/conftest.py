@@ -36,6 +36,7 @@ def _netns_reason() -> str | None:
     return None
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's, which reads the xdist_group added here
 def pytest_collection_modifyitems(config, items):
     # a tier's further cases run when it is asked for by name (-m faults, -m netfaults, -m matrix),
     # not under another selection (-m "not slow")
@@ -49,6 +50,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.path.name in TIMED_MODULES:
             item.add_marker(pytest.mark.timed)
+        if _timed(item):
+            item.add_marker(pytest.mark.xdist_group("timed"))
         if "gpu" in item.keywords and not gpu:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA device; none on this machine"))
         if "netns" in item.keywords and netns_reason:
@@ -59,33 +62,50 @@ def pytest_collection_modifyitems(config, items):
 # within a timeout, signals, locks): under -n they run alone. Other such tests are marked timed.
 TIMED_MODULES = {"test_compile.py", "test_compile_bounded.py", "test_bench_compile.py", "test_faults.py",
                  "test_netfaults.py", "test_stop.py", "test_build_lock.py", "test_segments.py"}
-ALONE_WAIT_S = 1200  # the longest a test waits for its turn: longer than any two tests (600 s each)
+ALONE_WAIT_S = 1800  # the longest a test waits for its turn: the timed tests all run before it, at most
 
 
-@pytest.fixture(autouse=True)
-def _alone_when_timed(request, tmp_path_factory):
-    """Under pytest-xdist (``-n 2``), a test marked ``timed`` runs with no other test beside it;
-    the rest run two at a time. A readers-writer lock on files the workers share: a timed test
-    takes the turnstile, then the lock exclusively, so that no untimed test starts while it
-    waits or runs; an untimed test passes the turnstile and takes the lock shared."""
-    if not _worker(request.config):
-        yield
-        return
-    folder = tmp_path_factory.getbasetemp().parent  # the run's, shared by its workers (pytest removes it)
-    timed = request.node.get_closest_marker("timed") is not None
-    with open(os.path.join(folder, "turnstile"), "a") as gate, open(os.path.join(folder, "lock"), "a") as lock:
-        _take(gate, fcntl.LOCK_EX, request.node.nodeid)
+class _Alone:
+    """Under pytest-xdist (``-n 2``) a test marked ``timed`` runs with no other test beside it;
+    the rest run two at a time. The timed tests form one xdist group (one worker runs them in
+    turn: ``--dist loadgroup``, which the conftest sets under ``-n``) and hold a lock the workers
+    share exclusively from the first to the last; any other test takes it shared, after a
+    turnstile that a waiting timed test holds, so that no new test starts beside it."""
+
+    def __init__(self, folder: str):
+        self.gate = open(os.path.join(folder, "turnstile"), "a")
+        self.lock = open(os.path.join(folder, "lock"), "a")
+        self.held: int | None = None
+
+    def before(self, item) -> None:
+        want = fcntl.LOCK_EX if _timed(item) else fcntl.LOCK_SH
+        if self.held == want:
+            return
+        self.release()
+        _take(self.gate, fcntl.LOCK_EX, item.nodeid)
         try:
-            _take(lock, fcntl.LOCK_EX if timed else fcntl.LOCK_SH, request.node.nodeid)
+            _take(self.lock, want, item.nodeid)
+            self.held = want
         finally:
-            if not timed:
-                fcntl.flock(gate, fcntl.LOCK_UN)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-            if timed:
-                fcntl.flock(gate, fcntl.LOCK_UN)
+            if want == fcntl.LOCK_SH:
+                fcntl.flock(self.gate, fcntl.LOCK_UN)
+
+    def after(self, item, nextitem) -> None:
+        """A timed test keeps the lock for the next one; an untimed test gives it back."""
+        if self.held == fcntl.LOCK_EX and nextitem is not None and _timed(nextitem):
+            return
+        self.release()
+
+    def release(self) -> None:
+        if self.held is not None:
+            fcntl.flock(self.lock, fcntl.LOCK_UN)
+            if self.held == fcntl.LOCK_EX:
+                fcntl.flock(self.gate, fcntl.LOCK_UN)
+            self.held = None
+
+
+def _timed(item) -> bool:
+    return item.get_closest_marker("timed") is not None
 
 
 def _take(f, how: int, what: str) -> None:
@@ -96,8 +116,24 @@ def _take(f, how: int, what: str) -> None:
             return
         except BlockingIOError:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{what}: waited {ALONE_WAIT_S} s for the other pytest worker's test") from None
+                raise TimeoutError(f"{what}: waited {ALONE_WAIT_S} s for the other pytest worker's tests") from None
             time.sleep(0.05)
+
+
+_ALONE = pytest.StashKey[_Alone]()
+
+
+# outside pytest-timeout's wrapper: the wait for a turn is not the test's time
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item, nextitem):
+    alone = item.config.stash.get(_ALONE, None)
+    if alone is not None:
+        alone.before(item)
+    try:
+        yield
+    finally:
+        if alone is not None:
+            alone.after(item, nextitem)
 
 
 def _gone(pid: int) -> bool:
@@ -133,9 +169,18 @@ def _worker(config) -> bool:
     return hasattr(config, "workerinput")
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+    """``-n`` without ``--dist``: loadgroup, so that the timed tests run on one worker (_Alone)."""
+    if getattr(config.option, "numprocesses", None) and config.option.dist == "no":
+        config.option.dist = "loadgroup"
+
+
 def pytest_sessionstart(session):
     if not _worker(session.config):
         session.config.stash[_BEFORE] = _left_behind()
+    else:  # the run's temporary root, shared by its workers (pytest removes it)
+        session.config.stash[_ALONE] = _Alone(str(session.config._tmp_path_factory.getbasetemp().parent))
 
 
 def pytest_sessionfinish(session, exitstatus):
