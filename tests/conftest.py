@@ -58,10 +58,9 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason=netns_reason))
 
 
-# Modules whose every test times something or waits on a clock (measured compile choices, exits
-# within a timeout, signals, locks): under -n they run alone. Other such tests are marked timed.
-TIMED_MODULES = {"test_compile.py", "test_compile_bounded.py", "test_bench_compile.py", "test_faults.py",
-                 "test_netfaults.py", "test_stop.py", "test_build_lock.py", "test_segments.py"}
+# Modules whose every test times something or waits on a clock (a compile's share of the time,
+# exits within a timeout): under -n they run alone. Other such tests are marked timed.
+TIMED_MODULES = {"test_compile_bounded.py", "test_faults.py", "test_netfaults.py", "test_segments.py"}
 ALONE_WAIT_S = 1800  # the longest a test waits for its turn: the timed tests all run before it, at most
 
 

@@ -16,7 +16,6 @@ from slipstream.cli import main
 
 
 @pytest.mark.slow
-@pytest.mark.timed
 def test_dry_run_reports_a_real_result_for_every_stage(tmp_path):
     out, records = tmp_path / "gpu.md", tmp_path / "gpu.json"
     assert main(["bench", "gpu", "--dry-run", "--out", str(out), "--json", str(records)]) == 0

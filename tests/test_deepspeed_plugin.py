@@ -199,7 +199,6 @@ def _bit_equal_runs(blocking, overlapped):
 
 @pytest.mark.parametrize("nodes, gas, depth", [((0, 0), 1, 2), ((0, 0, 1, 1), 2, None)],
                          ids=["1node-2-in-flight", "2nodes-grad-accum"])
-@pytest.mark.timed
 def test_zero2_buckets_reduce_while_backward_computes_bit_equal_to_blocking(nodes, gas, depth):
     timelines = run_ranks(_overlap_against_blocking, len(nodes), gas, depth, rank_env=_env(*nodes), timeout=500)
     for blocking, overlapped in timelines:
@@ -307,7 +306,6 @@ def _zero3_gathers(rank, world):
 
 
 @pytest.mark.slow
-@pytest.mark.timed
 def test_zero3_gathers_parameters_a_bucket_ahead_with_overlap_bit_equal_to_the_default():
     from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
 

@@ -45,7 +45,6 @@ def test_embedded_default_runs_end_to_end_and_matches_stock(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.timed
 def test_fsdp_stack_compare_matches_stock_fsdp2_with_its_collectives_through_the_core(tmp_path, monkeypatch):
     """Ours also compiles (--compile): a run of 2 steps of 2 micro-batches is 4 forward calls,
     whose budget (5% of them) pays for no compile, so none is tried at step 4 (steps 2 and 3

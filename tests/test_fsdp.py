@@ -358,7 +358,6 @@ def _overlap_against_blocking(rank, world, hsdp):
 
 @pytest.mark.parametrize("nodes, hsdp", [((0, 0), False), ((0, 0, 1, 1), False), ((0, 0, 1, 1), True)],
                          ids=["fsdp2-1node", "fsdp2-2nodes", "hsdp-2nodes"])
-@pytest.mark.timed
 def test_fsdp2_reductions_run_while_backward_computes_bit_equal_to_blocking(nodes, hsdp):
     env = [{"SLIPSTREAM_NODE": str(n)} for n in nodes]
     for blocking, overlapped, reductions in run_ranks(_overlap_against_blocking, len(nodes), hsdp, rank_env=env,

@@ -189,7 +189,6 @@ def test_the_search_counts_an_iterations_micro_batches():
 
 
 @pytest.mark.slow
-@pytest.mark.timed
 def test_megatron_ddp_with_slipstream_compile_trains_as_eager_with_the_ranks_agreeing():
     """``--slipstream-compile`` in a job on Megatron's DDP and optimizer (TP=1 x DP=2): the
     search measures inductor on the first steps, both ranks choose alike, and the losses and
@@ -359,7 +358,6 @@ def test_packed_attention_refuses_what_it_does_not_compute_by_name():
 
 
 @pytest.mark.slow
-@pytest.mark.timed
 def test_bench_megatron_runs_gloo_and_slipstream_padded_and_packed_with_equal_losses(tmp_path):
     """``slipstream bench megatron`` end to end on one node: a GPT at TP=2 trained with
     Megatron's DDP across the two TP pairs (TP=2 x DP=2 on one node), three jobs, with

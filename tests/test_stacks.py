@@ -102,6 +102,7 @@ def test_the_readme_and_docs_mark_a_config_for_each_stack():
 @needs_hook
 @pytest.mark.parametrize("script", STACK_SCRIPTS)
 @pytest.mark.slow
+@pytest.mark.xdist_group("deepspeed-stock")  # under -n: on the worker that keeps the stock run
 def test_the_config_section_alone_turns_slipstream_on_with_stock_losses(tmp_path, script):
     if script.endswith("trl_sft.py"):
         pytest.importorskip("trl")
@@ -129,6 +130,7 @@ def _check_config_section(tmp_path, script: str, config: dict) -> None:
 
 @needs_hook
 @pytest.mark.slow
+@pytest.mark.xdist_group("deepspeed-stock")
 def test_slipstream_1_turns_a_deepspeed_config_without_a_section_on_and_enabled_false_keeps_it_stock(tmp_path):
     """``SLIPSTREAM=1`` means on for DeepSpeed too: a config without the section gets the default
     one (ZeRO's collectives through the core), with stock's losses; a section's ``"enabled":
@@ -249,6 +251,7 @@ def test_slipstream_1_installs_the_accelerate_adapter_when_accelerate_imports_to
 
 @needs_hook
 @pytest.mark.slow
+@pytest.mark.xdist_group("accelerate-ddp")  # under -n: on the worker that keeps the DDP run
 def test_slipstream_config_alone_runs_accelerate_fsdp2_with_varlen_and_stock_losses(tmp_path):
     """accelerate's YAML cannot hold the section: ``SLIPSTREAM_CONFIG`` names a file of it. The
     unchanged example under torchrun, its FSDP2 plugin from accelerate's environment (what
@@ -256,21 +259,37 @@ def test_slipstream_config_alone_runs_accelerate_fsdp2_with_varlen_and_stock_los
     pytest.importorskip("accelerate")
     config = tmp_path / "slipstream.yaml"
     config.write_text("enabled: true\nvarlen: {enabled: true}\n")
-    fsdp_env = dict(ACCELERATE_USE_CPU="true", ACCELERATE_USE_FSDP="true", FSDP_VERSION="2",
-                    FSDP_AUTO_WRAP_POLICY="TRANSFORMER_BASED_WRAP", FSDP_TRANSFORMER_CLS_TO_WRAP="LlamaDecoderLayer")
-
-    def run(**env):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--log-dir", str(tmp_path / "logs"),
-               "--nproc-per-node", "2", "--master-port",
-               str(free_port()), os.path.join(ROOT, "examples", "accelerate_fsdp.py")]
-        return _run_job(cmd, tmp_path, "examples/accelerate_fsdp.py", **fsdp_env, **env)
-
-    ours, stock = run(SLIPSTREAM_CONFIG=str(config)), run()
+    ours = _accelerate_under_torchrun(tmp_path, 2, SLIPSTREAM_CONFIG=str(config))
+    stock = _accelerate_ddp(tmp_path, 2)
     line = _start_line(ours)
     assert line and "on (SLIPSTREAM_CONFIG)" in line and "accelerate: engaged" in line and "varlen" in line, line
     assert re.search(r"^distributed_type \S+ model FSDP", ours.stdout, re.M), ours.stdout[-2000:]
-    assert re.search(r"^distributed_type \S+ model DistributedDataParallel$", stock.stdout, re.M), stock.stdout[-2000:]
     assert _losses(ours) == pytest.approx(_losses(stock), rel=1e-5)
+
+
+# accelerate's environment for an FSDP2 plugin (what ``accelerate launch`` sets from a YAML)
+FSDP_ENV = dict(ACCELERATE_USE_CPU="true", ACCELERATE_USE_FSDP="true", FSDP_VERSION="2",
+                FSDP_AUTO_WRAP_POLICY="TRANSFORMER_BASED_WRAP", FSDP_TRANSFORMER_CLS_TO_WRAP="LlamaDecoderLayer")
+_DDP_RUNS: dict[int, subprocess.CompletedProcess] = {}
+
+
+def _accelerate_under_torchrun(tmp_path, ranks: int, **env) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--log-dir", str(tmp_path / "logs"),
+           "--nproc-per-node", str(ranks), "--master-port", str(free_port()),
+           os.path.join(ROOT, "examples", "accelerate_fsdp.py")]
+    return _run_job(cmd, tmp_path, "examples/accelerate_fsdp.py under torchrun", **FSDP_ENV, **env)
+
+
+def _accelerate_ddp(tmp_path, ranks: int) -> subprocess.CompletedProcess:
+    """The unchanged example as one multi-process CPU job under torchrun with accelerate's FSDP2
+    environment and no slipstream: stock accelerate runs DDP there (asserted). The reference of
+    the accelerate tests, run once a session for each number of ranks."""
+    if ranks not in _DDP_RUNS:
+        out = _accelerate_under_torchrun(tmp_path, ranks)
+        assert re.search(r"^distributed_type (DistributedType\.)?MULTI_CPU model DistributedDataParallel$",
+                         out.stdout, re.M), out.stdout[-2000:]
+        _DDP_RUNS[ranks] = out
+    return _DDP_RUNS[ranks]
 
 
 def _accelerate_launch(tmp_path, yaml: str, *extra: str, **env) -> subprocess.CompletedProcess:
@@ -285,25 +304,20 @@ def _accelerate_launch(tmp_path, yaml: str, *extra: str, **env) -> subprocess.Co
                                                 ("accelerate_hsdp.yaml", ("--num_machines", "1"), 4)],
                          ids=["fsdp2", "hsdp-on-one-machine"])
 @pytest.mark.slow
+@pytest.mark.xdist_group("accelerate-ddp")
 def test_the_ready_accelerate_configs_work_with_accelerate_launch_as_they_are(tmp_path, yaml, extra, ranks):
     """``accelerate launch --config_file configs/X.yaml`` on the unchanged example script. On
     this machine without a GPU, stock accelerate gives each process DistributedType.NO (each
     trains alone); with SLIPSTREAM=1 they run as one FSDP2 job through slipstream, with the
     losses of the same script as one multi-process CPU job under torchrun (accelerate's DDP)."""
     pytest.importorskip("accelerate")
-    script = os.path.join(ROOT, "examples", "accelerate_fsdp.py")
     ours = _accelerate_launch(tmp_path, yaml, *extra, SLIPSTREAM="1")
     line = _start_line(ours)
     assert line and "accelerate: engaged" in line and "fsdp_version 2" in line, line
     if "hsdp" in yaml:  # the 2-D mesh: its replicate all-reduce through slipstream too
         assert "hsdp_replicate_all_reduce through the core" in line, line
     assert re.search(r"^distributed_type (DistributedType\.)?FSDP model FSDP", ours.stdout, re.M), ours.stdout[-2000:]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--log-dir", str(tmp_path / "logs"),
-           "--nproc-per-node", str(ranks), "--master-port",
-           str(free_port()), script]
-    ddp = _run_job(cmd, tmp_path, "the example under torchrun", ACCELERATE_USE_CPU="true")
-    assert re.search(r"^distributed_type (DistributedType\.)?MULTI_CPU model DistributedDataParallel", ddp.stdout, re.M)
-    assert _losses(ours) == pytest.approx(_losses(ddp), rel=1e-5)
+    assert _losses(ours) == pytest.approx(_losses(_accelerate_ddp(tmp_path, ranks)), rel=1e-5)
     if ranks == 2:  # what stock accelerate launch does with the same YAML here
         alone = _accelerate_launch(tmp_path, yaml, *extra)
         # each process is its own main process: both print (their lines may interleave)
