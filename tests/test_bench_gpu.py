@@ -60,7 +60,6 @@ _ROW = ("import json, sys; a = sys.argv; "
 _OUT = "; open(a[a.index('--out') + 1], 'w').write('{}')"
 
 
-@pytest.mark.timed
 def test_a_stage_that_hangs_or_raises_is_a_failed_row_and_the_later_stages_run(tmp_path):
     pid_file = tmp_path / "child.pid"
     hang = (f"import subprocess, time; p = subprocess.Popen(['sleep', '60']); open({str(pid_file)!r}, 'w')"
@@ -82,7 +81,6 @@ def test_a_stage_that_hangs_or_raises_is_a_failed_row_and_the_later_stages_run(t
     assert "## B raises: exit code 1: RuntimeError: boom" in report and "| C works | c | fine |  |" in report
 
 
-@pytest.mark.timed
 def test_a_stage_without_time_left_is_not_started(tmp_path):
     stages = [Stage("slow", "A", 2, _stand_in("import time; time.sleep(60)")),
               Stage("next", "B", 0.5, _stand_in(_ROW + _OUT))]

@@ -83,7 +83,6 @@ def test_an_impairment_reads_netems_words():
     assert ClusterSpec(nodes=2, impair="delay 10ms reorder 25%").impairment == Impairment(delay_s=0.01, reorder=0.25)
 
 
-@pytest.mark.timed
 def test_a_hung_ip_command_fails_naming_it_within_the_bound(monkeypatch):
     monkeypatch.setattr(_netns, "COMMAND_TIMEOUT_S", 0.3)
     started = time.monotonic()
@@ -115,7 +114,6 @@ def test_two_nodes_allreduce_across_the_link(tmp_path):
 
 
 @pytest.mark.netns
-@pytest.mark.timed
 def test_link_is_shaped_at_the_configured_rate_both_ways():
     with EmulatedCluster(ClusterSpec(nodes=2, link="100mbit")) as cluster:
         for node_ns in cluster.namespaces:
@@ -161,7 +159,6 @@ def _settled(cluster, within_s: float = 10.0) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.timed
 def test_an_impaired_link_delays_and_drops_what_each_node_sends():
     with EmulatedCluster(ClusterSpec(nodes=2, link="1gbit", impair="delay 30ms, loss 5%, seed 1")) as cluster:
         connects = _connect_times(cluster)
@@ -222,7 +219,6 @@ def test_cluster_without_root_says_why(monkeypatch):
 
 
 @pytest.mark.faults
-@pytest.mark.timed
 def test_timeout_kills_every_rank(tmp_path):
     script = tmp_path / "sleeper.py"
     script.write_text("import os, sys, time\nopen(sys.argv[1] + f'/{os.getpid()}', 'w').close()\ntime.sleep(300)\n")

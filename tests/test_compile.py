@@ -101,7 +101,6 @@ def _cfg(tmp_path, **kw):
 
 @pytest.mark.parametrize("name", ["inductor", "regions", "inductor-dynamic"])
 @pytest.mark.slow
-@pytest.mark.timed
 def test_each_strategy_trains_like_eager(tmp_path, name):
     eager, model = _pair()
     batches = _batches(5, lengths=(12, 8))
@@ -115,7 +114,6 @@ def test_each_strategy_trains_like_eager(tmp_path, name):
 
 
 @pytest.mark.parametrize("lengths", [(12,), (12, 8)], ids=["fixed-shapes", "shapes-change"])
-@pytest.mark.timed
 def test_search_measures_the_candidates_and_trains_like_eager(tmp_path, lengths):
     eager, model = _pair()
     batches = _batches(24, lengths=lengths)
@@ -155,7 +153,6 @@ class Broken(Net):
 
 
 @pytest.mark.slow
-@pytest.mark.timed
 def test_regions_are_measured_when_the_whole_model_is_not_one_graph(tmp_path):
     torch.manual_seed(0)
     eager = Broken()
@@ -175,7 +172,6 @@ def test_regions_are_measured_when_the_whole_model_is_not_one_graph(tmp_path):
     _close(ours, ref)
 
 
-@pytest.mark.timed
 def test_a_compile_error_in_every_candidate_leaves_eager_with_eager_numbers(tmp_path, monkeypatch):
     def broken(self, gm, example_inputs):
         raise RuntimeError("forced backend failure")
@@ -193,7 +189,6 @@ def test_a_compile_error_in_every_candidate_leaves_eager_with_eager_numbers(tmp_
     assert torch.equal(ours[0], ref[0])  # nothing but eager ran
 
 
-@pytest.mark.timed
 def test_a_compile_error_after_the_choice_falls_back_once_and_the_run_goes_on(tmp_path, monkeypatch):
     def broken(self, gm, example_inputs):
         raise RuntimeError("forced backend failure at a recompile")
@@ -217,7 +212,6 @@ def test_a_compile_error_after_the_choice_falls_back_once_and_the_run_goes_on(tm
 
 
 @pytest.mark.slow
-@pytest.mark.timed
 def test_a_mismatch_found_by_the_periodic_check_falls_back_to_eager(tmp_path):
     eager, model = _pair()
     batches = _batches(6)
@@ -230,7 +224,6 @@ def test_a_mismatch_found_by_the_periodic_check_falls_back_to_eager(tmp_path):
     _close(ours, ref)
 
 
-@pytest.mark.timed
 def test_a_skewed_candidate_is_rejected_by_the_search(tmp_path):
     eager, model = _pair()
     model.skew = eager.skew = True  # only compiled code sees it
@@ -265,7 +258,6 @@ def _slowed(monkeypatch, name: str, seconds: float, then=None) -> None:
     monkeypatch.setattr(strategy, "build", slowed)
 
 
-@pytest.mark.timed
 def test_a_candidate_over_twice_eagers_step_is_not_timed_further(tmp_path, monkeypatch):
     from slipstream.core_compile.autotune import autotuner as autotune
 
@@ -300,7 +292,6 @@ class Cancels(torch.nn.Module):
         return ((self.w * x).sum() + offset) - offset
 
 
-@pytest.mark.timed
 def test_a_candidate_beyond_the_dtype_tolerance_but_as_accurate_as_eager_passes_the_check(monkeypatch):
     from slipstream.core_compile.autotune import check
 
@@ -319,7 +310,6 @@ def test_a_candidate_beyond_the_dtype_tolerance_but_as_accurate_as_eager_passes_
 
 
 @pytest.mark.slow
-@pytest.mark.timed
 def test_a_recompile_storm_falls_back_with_the_guard_that_failed(tmp_path):
     eager, model = _pair()
     batches = _batches(8)
@@ -334,7 +324,6 @@ def test_a_recompile_storm_falls_back_with_the_guard_that_failed(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.timed
 def test_the_decision_is_cached_and_a_new_shape_or_version_searches_again(tmp_path, monkeypatch):
     cfg = _cfg(tmp_path, strategies=("inductor",), measure_rounds=1)
     _, first = _pair()
@@ -373,7 +362,6 @@ class SlowEager(Net):
         return super().forward(x, y)
 
 
-@pytest.mark.timed
 def test_a_short_run_compiles_nothing_its_budget_cannot_pay_for(tmp_path):
     eager, model = _pair()
     batches = _batches(6)
@@ -405,7 +393,6 @@ class Switched(Net):
         return super().forward(x, y)
 
 
-@pytest.mark.timed
 def test_the_first_step_after_a_switch_is_not_timed(tmp_path, monkeypatch):
     """Interleaved timing would charge every eager step the switch from the compiled one and
     choose inductor (2x); untimed first steps after a switch measure both alike: eager stays.
@@ -426,7 +413,6 @@ def test_the_first_step_after_a_switch_is_not_timed(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.timed
 def test_a_decisive_winner_ends_the_search_and_goes_first_next_time(tmp_path, monkeypatch):
     _slowed(monkeypatch, "regions", 1.0)  # regions' steps take 1 s more: a loser by far, pruned
     torch.manual_seed(0)
@@ -456,7 +442,6 @@ def test_a_decisive_winner_ends_the_search_and_goes_first_next_time(tmp_path, mo
     assert by["regions"].status == "skipped" and "(cache)" in by["regions"].reason, by
 
 
-@pytest.mark.timed
 def test_the_cost_and_the_step_that_pays_it_back():
     from slipstream.core_compile.autotune.config import Candidate
 
@@ -470,7 +455,6 @@ def test_the_cost_and_the_step_that_pays_it_back():
     assert report.break_even_step() is None and "not earned back" in report.cost_line()
 
 
-@pytest.mark.timed
 def test_expected_compile_times_come_from_this_model_then_this_machine_then_the_default(tmp_path):
     from slipstream.core_compile.autotune import budget
     from slipstream.core_compile.autotune.config import Candidate
@@ -492,7 +476,6 @@ def test_expected_compile_times_come_from_this_model_then_this_machine_then_the_
     assert other.family == {} and other.compile_s(inductor, 20, cold=False)[0] == pytest.approx(20 * 0.3)
     assert "regions" not in other.rates  # the process's first compile holds inductor's start-up: not a rate
 
-@pytest.mark.timed
 def test_the_stacks_run_length_sets_the_budget_unless_the_user_did():
     from slipstream.plugins.deepspeed.translate import run_length
 
@@ -594,7 +577,6 @@ class SlowWhenCompiled(Net):
 
 
 @pytest.mark.slow
-@pytest.mark.timed
 def test_a_candidate_slower_than_eager_in_its_compile_process_is_never_compiled_in_training(tmp_path, monkeypatch):
     from slipstream.core_compile.autotune import background
 
@@ -622,7 +604,6 @@ def test_a_candidate_slower_than_eager_in_its_compile_process_is_never_compiled_
 
 
 @pytest.mark.parametrize("step, pays", [(164, False), (10, True)])
-@pytest.mark.timed
 def test_a_candidate_ready_too_late_to_pay_for_its_compile_is_not_compiled_in_training(tmp_path, step, pays):
     """ResNet-50's figures on 1 torch thread: 1.5x eager's forward and backward in its compile
     process, compiled there in 20 s (so about 5 s here), eager's step 0.3 s. Ready at step 164
@@ -644,7 +625,6 @@ class Unpicklable(Net):
         self.activation = lambda x: x
 
 
-@pytest.mark.timed
 def test_a_model_that_does_not_pickle_is_compiled_in_the_training_process(tmp_path):
     torch.manual_seed(0)
     eager, model = Unpicklable(), Unpicklable()
@@ -670,7 +650,6 @@ class _Scaled(torch.nn.Module):
         return (self.emb(ids) * self.scale).sum()
 
 
-@pytest.mark.timed
 def test_a_dynamic_candidate_traces_its_graph_once_with_floats_as_constants():
     """Floats made symbolic sent dynamo back to trace and compile the graph a second time."""
     model = _Scaled()
@@ -729,7 +708,6 @@ def test_a_dynamic_varlen_candidate_compiled_elsewhere_loads_every_graph_here_on
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
-@pytest.mark.timed
 def test_a_candidate_goes_beside_training_where_that_is_expected_to_cost_training_less(monkeypatch):
     from slipstream.core_compile.autotune import background, budget
 
@@ -762,7 +740,6 @@ def test_a_candidate_goes_beside_training_where_that_is_expected_to_cost_trainin
         assert "inductor" in prebuilds.beside
 
 
-@pytest.mark.timed
 def test_compiling_beside_training_is_off_where_it_cannot_help_or_was_turned_off():
     from torch._inductor import config as inductor_config
 
@@ -797,7 +774,6 @@ class Breaks(torch.nn.Module):
         return x.square().mean()
 
 
-@pytest.mark.timed
 def test_graph_breaks_are_reported_with_their_place(tmp_path):
     model = Breaks()
     slipstream.compile(model, example=(torch.randn(2, 8),), config=_cfg(tmp_path, cache=False))
@@ -829,7 +805,6 @@ def test_graph_breaks_are_listed_by_the_compile_process_beside_training(tmp_path
     torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.timed
 def test_uncompile_restores_the_forward_and_compile_is_idempotent(tmp_path):
     model = Net()
     original = model.forward
@@ -843,7 +818,6 @@ def test_uncompile_restores_the_forward_and_compile_is_idempotent(tmp_path):
     slipstream.uncompile(model)  # no-op
 
 
-@pytest.mark.timed
 def test_the_tuned_forward_shows_the_models_own_signature(tmp_path):
     """The Hugging Face Trainer keeps the batch's columns that ``inspect.signature(model.forward)``
     names: a tuner showing (*args, **kwargs) had every column dropped."""
@@ -862,7 +836,6 @@ def test_the_tuned_forward_shows_the_models_own_signature(tmp_path):
     (dict(expected_steps=0), "expected_steps"), (dict(expected_steps=2.5), "expected_steps"),
     (dict(budget_share=0), "budget_share"), (dict(budget_share=1.5), "budget_share"),
 ])
-@pytest.mark.timed
 def test_bad_settings_are_refused_by_name(bad, match):
     with pytest.raises(ValueError, match=match):
         CompileConfig(**bad)
@@ -887,7 +860,6 @@ def _ddp_rank(rank, world, cache_dir):
                      "statuses": {c.name: c.status for c in report.candidates}})
 
 
-@pytest.mark.timed
 def test_ddp_ranks_agree_on_the_choice_and_train_like_eager_ddp(tmp_path):
     out = from_bytes(run_ranks(_ddp_rank, 2, str(tmp_path / "cache"), timeout=600))
     assert out[0]["chosen"] == out[1]["chosen"] and out[0]["statuses"] == out[1]["statuses"]
@@ -912,7 +884,6 @@ def _beside_rank(rank, world, cache_dir):
 
 
 @pytest.mark.slow
-@pytest.mark.timed
 def test_ranks_agree_on_a_candidate_timed_by_the_nodes_compile_process(tmp_path):
     """Only the node's first rank compiles and times the candidate beside training; every rank
     skips it alike, and trains eagerly."""

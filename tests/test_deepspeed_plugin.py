@@ -252,7 +252,6 @@ def _auto_overlap(rank, world):
     return runs
 
 
-@pytest.mark.timed
 def test_zero2_overlap_auto_chooses_by_measurement_caches_the_choice_and_trains_bit_equal(tmp_path):
     env = {"SLIPSTREAM_OVERLAP_DIR": str(tmp_path)}
     # 2 nodes of a rank each: each layer's bucket (one owner's) goes to its owner (hierarchical path)

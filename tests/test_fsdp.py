@@ -406,7 +406,6 @@ def _auto_overlap(rank, world):
     return facts
 
 
-@pytest.mark.timed
 def test_fsdp2_overlap_auto_overlaps_on_a_slow_link_bit_equal_to_blocking(tmp_path):
     for facts in run_ranks(_auto_overlap, 2, env={"SLIPSTREAM_OVERLAP_DIR": str(tmp_path)}, timeout=300):
         assert facts["reductions_during_backward"] is True, facts

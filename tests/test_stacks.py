@@ -102,7 +102,6 @@ def test_the_readme_and_docs_mark_a_config_for_each_stack():
 @needs_hook
 @pytest.mark.parametrize("script", STACK_SCRIPTS)
 @pytest.mark.slow
-@pytest.mark.xdist_group("deepspeed-stock")  # under -n: on the worker that keeps the stock run
 def test_the_config_section_alone_turns_slipstream_on_with_stock_losses(tmp_path, script):
     if script.endswith("trl_sft.py"):
         pytest.importorskip("trl")
@@ -130,7 +129,6 @@ def _check_config_section(tmp_path, script: str, config: dict) -> None:
 
 @needs_hook
 @pytest.mark.slow
-@pytest.mark.xdist_group("deepspeed-stock")
 def test_slipstream_1_turns_a_deepspeed_config_without_a_section_on_and_enabled_false_keeps_it_stock(tmp_path):
     """``SLIPSTREAM=1`` means on for DeepSpeed too: a config without the section gets the default
     one (ZeRO's collectives through the core), with stock's losses; a section's ``"enabled":
@@ -251,7 +249,6 @@ def test_slipstream_1_installs_the_accelerate_adapter_when_accelerate_imports_to
 
 @needs_hook
 @pytest.mark.slow
-@pytest.mark.xdist_group("accelerate-ddp")  # under -n: on the worker that keeps the DDP run
 def test_slipstream_config_alone_runs_accelerate_fsdp2_with_varlen_and_stock_losses(tmp_path):
     """accelerate's YAML cannot hold the section: ``SLIPSTREAM_CONFIG`` names a file of it. The
     unchanged example under torchrun, its FSDP2 plugin from accelerate's environment (what
@@ -304,7 +301,6 @@ def _accelerate_launch(tmp_path, yaml: str, *extra: str, **env) -> subprocess.Co
                                                 ("accelerate_hsdp.yaml", ("--num_machines", "1"), 4)],
                          ids=["fsdp2", "hsdp-on-one-machine"])
 @pytest.mark.slow
-@pytest.mark.xdist_group("accelerate-ddp")
 def test_the_ready_accelerate_configs_work_with_accelerate_launch_as_they_are(tmp_path, yaml, extra, ranks):
     """``accelerate launch --config_file configs/X.yaml`` on the unchanged example script. On
     this machine without a GPU, stock accelerate gives each process DistributedType.NO (each

@@ -3,7 +3,6 @@ core's own timestamps (never from wall-clock thresholds)."""
 
 import threading
 
-import pytest
 import torch
 
 from _dist import run_ranks
@@ -56,7 +55,6 @@ def test_a_timeline_holds_its_intervals_in_16_bytes_each_and_folds_them_by_its_b
     assert t.take()["calls"] == Timeline.FOLD_AT // 2 - 1 + 10 * Timeline.FOLD_AT
 
 
-@pytest.mark.timed
 def test_waits_on_a_communicators_own_thread_block_no_caller():
     t = Timeline()
 
@@ -90,7 +88,6 @@ def _compute_while_in_flight(rank, world):
         comm.close()
 
 
-@pytest.mark.timed
 def test_an_async_collective_is_in_flight_while_the_caller_computes_and_a_blocking_one_never_is():
     for seen in run_ranks(_compute_while_in_flight, 2, timeout=120):
         assert seen["blocking"]["hidden_s"] == 0.0 and seen["blocking"]["exposed_s"] > 0

@@ -30,7 +30,6 @@ def _compiled(tmp_path, **kw):
     return slipstream.compile(model, config=CompileConfig(cache=False, verbose=False, background=False, **kw))
 
 
-@pytest.mark.timed
 def test_the_trainer_tells_the_search_its_steps_times_the_accumulation(tmp_path):
     from transformers.trainer_callback import CallbackHandler
 

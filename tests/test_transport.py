@@ -173,7 +173,6 @@ def _foreign_connections(rank, world):
 
 
 @pytest.mark.faults
-@pytest.mark.timed
 def test_foreign_connections_during_set_up_are_ignored():
     assert run_ranks(_foreign_connections, 2, env=LOOPBACK, timeout=60) == [6, 0]
 
@@ -221,7 +220,6 @@ def _peer_hangs_or_dies(rank, world, timeout_s):
 
 
 @pytest.mark.faults
-@pytest.mark.timed
 def test_peer_that_hangs_or_dies_raises_within_the_timeout_and_close_ends_calls():
     ranks = run_ranks(_peer_hangs_or_dies, 2, 2.0, env=LOOPBACK, timeout=60, allow_failures=True)
     assert isinstance(ranks[1], Exception) and "rank 1 exits" in str(ranks[1])

@@ -193,7 +193,6 @@ def _tune_in_budget(rank, world, cache_dir, budget):
 
 
 @pytest.mark.parametrize("node_of", [(0, 0), (0, 0, 1, 1)], ids=["1x2", "2x2"])
-@pytest.mark.timed
 def test_tuning_stops_at_a_tiny_budget_and_the_plan_drives_the_communicator(tmp_path, node_of):
     budget = 0.1
     world = len(node_of)
