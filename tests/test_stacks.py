@@ -40,12 +40,15 @@ needs_hook = pytest.mark.skipif(not _hook_installed(), reason="slipstream's star
                                 "in this environment (pip install . or -e . installs it)")
 
 
+def _torchrun_cmd(tmp_path, script: str, *args: str, ranks: int = 2) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--log-dir", str(tmp_path / "logs"),
+            "--nproc-per-node", str(ranks), "--master-port", str(free_port()), script, *args]
+
+
 def _torchrun(tmp_path, script: str, config: dict, name: str, **env) -> subprocess.CompletedProcess:
     path = tmp_path / f"{name}.json"
     path.write_text(json.dumps(config))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--log-dir", str(tmp_path / "logs"),
-           "--nproc-per-node", "2", "--master-port",
-           str(free_port()), os.path.join(ROOT, script), str(path)]
+    cmd = _torchrun_cmd(tmp_path, os.path.join(ROOT, script), str(path))
     return _run_job(cmd, tmp_path, f"{script} with {name}", **env)
 
 
@@ -174,10 +177,8 @@ def test_slipstream_1_turns_a_ddp_script_on_and_autoload_0_keeps_it_stock(tmp_pa
     script.write_text(DDP)
 
     def run(**env):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--log-dir", str(tmp_path / "logs"),
-               "--nproc-per-node", "2", "--master-port",
-               str(free_port()), str(script)]
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path, env=_env(**env))
+        out = subprocess.run(_torchrun_cmd(tmp_path, str(script)), capture_output=True, text=True, timeout=300,
+                             cwd=tmp_path, env=_env(**env))
         assert out.returncode == 0, out.stderr[-3000:]
         return re.findall(r"^backend (\S+) weights (\S+)$", out.stdout, re.M), out
 
@@ -271,9 +272,7 @@ _DDP_RUNS: dict[int, subprocess.CompletedProcess] = {}
 
 
 def _accelerate_under_torchrun(tmp_path, ranks: int, **env) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--log-dir", str(tmp_path / "logs"),
-           "--nproc-per-node", str(ranks), "--master-port", str(free_port()),
-           os.path.join(ROOT, "examples", "accelerate_fsdp.py")]
+    cmd = _torchrun_cmd(tmp_path, os.path.join(ROOT, "examples", "accelerate_fsdp.py"), ranks=ranks)
     return _run_job(cmd, tmp_path, "examples/accelerate_fsdp.py under torchrun", **FSDP_ENV, **env)
 
 
