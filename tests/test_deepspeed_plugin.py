@@ -40,7 +40,8 @@ def _mlp_batches(rank, n, rows=4):
         yield torch.randn(rows, 32, generator=g), torch.randn(rows, 32, generator=g)
 
 
-def _train_mlp(stage, section, steps, gas, hidden=64, bucket=2000, engines=None):
+def _train_mlp(stage, section, steps, gas, hidden=64, bucket=2000, engines=None, reads=None):
+    """``reads``: a list that takes every parameter, flattened, right after each step."""
     import slipstream.deepspeed as sds
 
     torch.manual_seed(0)
@@ -59,6 +60,8 @@ def _train_mlp(stage, section, steps, gas, hidden=64, bucket=2000, engines=None)
         if engine.is_gradient_accumulation_boundary():  # reduced, before the optimizer step
             grads.append([safe_get_full_grad(p).clone() for p in engine.module.parameters()])
         engine.step()
+        if reads is not None:  # what a loop reads between the step and the next forward (an average)
+            reads.append(torch.cat([p.detach().reshape(-1) for p in engine.module.parameters()]))
         losses.append(loss.item())
     return losses, grads, _full_weights(engine)
 
@@ -166,24 +169,37 @@ def _overlap_against_blocking(rank, world, gas, depth=None):
     """ZeRO-2 with small buckets, each bucket's reduction issued during backward and with
     every reduction blocking: bit-equal results; the core's timeline says which collectives
     ran while this rank computed (hidden) and which it waited for. ``depth``: buckets in
-    flight at most (less than a step's, so the oldest are finished while backward goes on)."""
+    flight at most (less than a step's, so the oldest are finished while backward goes on).
+    With overlap the parameter gather after each step goes behind the next forward, in pieces
+    of 1,024 elements a rank: what the loop reads right after the step is the same too."""
+    from slipstream.plugins.deepspeed import gather
     from slipstream.plugins.deepspeed import overlap as deferrals
 
     if depth is not None:
         deferrals.IN_FLIGHT_BUCKETS = depth
+    gather.MIN_PIECE = 1024
+    import slipstream
     from slipstream.core_comm import counters
     from slipstream.plugins.deepspeed import uninstall
     from slipstream.plugins.deepspeed.zero import overlaps
 
-    runs = {}
+    runs, reads, gathers, behind = {}, {}, {}, {}
     for overlap in (False, True):
-        engines = []
+        engines, reads[overlap] = [], []
         counters.reset()
         losses, grads, weights = _train_mlp(2, {"enabled": True, "comm": {**COMM, "overlap": overlap}}, 3, gas,
-                                            hidden=256, bucket=2000, engines=engines)
+                                            hidden=256, bucket=2000, engines=engines, reads=reads[overlap])
         assert overlaps(engines[0].optimizer) is overlap
+        gathers[overlap] = sum(p["calls"] for p in counters.snapshot().get("all_gather", {}).values())
+        behind[overlap] = slipstream.status()["stacks"]["deepspeed"]["parameters_gathered_behind_forward"]
         runs[overlap] = losses, grads, weights, counters.timeline.take()
         uninstall()
+    assert all(torch.equal(a, b) for a, b in zip(reads[False], reads[True], strict=True)), \
+        "parameters read right after a step differ from the blocking gather's"
+    # 16,672 parameters: one gather a step blocking, behind the forward one a 1,024 elements of a
+    # rank's partition (8 pieces of 1,042 on 2 ranks, 4 of 1,042 on 4)
+    assert (behind[False], behind[True]) == (False, True)
+    assert (gathers[False], gathers[True]) == (3, 3 * min(gather.PIECES, 16672 // world // 1024)), gathers
     return _bit_equal_runs(runs[False], runs[True])
 
 
@@ -456,6 +472,7 @@ def test_disable_after_zero2_and_zero3_overlap_jobs_restores_every_deepspeed_fun
         # while the jobs ran, status() listed the instance patches of each optimizer
         zero2, zero3 = listed
         assert "deepspeed-zero: DeepSpeedZeroOptimizer.reduce_ipg_grads" in zero2, zero2
+        assert "deepspeed-zero: DeepSpeedZeroOptimizer.step" in zero2, zero2  # the gather behind the forward
         assert "deepspeed-zero: DeepSpeedZeroOptimizer_Stage3.independent_gradient_partition_epilogue" in zero3, zero3
         assert "deepspeed: deepspeed.comm.comm.cdb" in zero3 or any(".cdb" in p for p in zero3), zero3
 

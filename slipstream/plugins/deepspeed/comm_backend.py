@@ -32,6 +32,9 @@ class CommBackend:
         self.__wrapped__ = wrapped
         self.config = config
         self._groups: set = set()  # the groups whose communicators this stand-in used
+        self.gathers_ahead: dict = {}
+        """``data_ptr`` of a ZeRO flat parameter buffer -> its ``gather.GatherAhead``, which may
+        take the buffer's all-gather (issued in pieces behind the next forward)."""
 
     def __getattr__(self, name):
         return getattr(self.__wrapped__, name)
@@ -72,6 +75,9 @@ class CommBackend:
         return comm.reduce_scatter(output_tensor, input_tensor, op, async_op=async_op, valid=valid)
 
     def all_gather_into_tensor(self, output_tensor, input_tensor, group=None, async_op=False):
+        ahead = self.gathers_ahead.get(output_tensor.data_ptr())
+        if ahead is not None and not async_op and ahead.take(output_tensor, input_tensor, group):
+            return None
         comm = self._core(group, input_tensor, dist.ReduceOp.SUM, "all_gather",
                           output_tensor.numel() * output_tensor.element_size())
         if comm is None:

@@ -26,6 +26,7 @@ from ...core_comm.tuner import load_plan
 from . import build_lock
 from .comm_backend import install_comm
 from .translate import run_length, zero_buckets
+from .gather import patch_gather_ahead
 from .zero import overlaps, patch_zero3_optimizer, patch_zero_optimizer
 
 __all__ = ["initialize", "install", "uninstall", "load_ds_config", "bucket_defaults"]
@@ -125,6 +126,10 @@ def _set_up(original, args, kwargs):
     overlapped = overlaps(engine.optimizer)
     if chooser is not None and not overlapped:
         chooser = None  # DeepSpeed's optimizer cannot defer its buckets here: they block
+    # the parameter gather after the step behind the next forward, in the buckets' mode
+    ahead = (patch_gather_ahead(engine.optimizer, backend, engine.module,
+                                (lambda: chooser.overlap) if chooser is not None else (lambda: True))
+             if owners and overlapped and stage in (1, 2) and not compiled else None)
     if owners:
         log.info("slipstream: ZeRO gradient buckets reduced to their owners (reduce-scatter)%s",
                  " (overlap auto: a trial times blocking and overlapped steps)" if chooser is not None
@@ -136,6 +141,8 @@ def _set_up(original, args, kwargs):
                             f"DeepSpeed's own ({stays})"),
                gradient_buckets_to_owners=bool(owners),
                buckets_during_backward="auto (in trial)" if chooser is not None else bool(overlapped),
+               parameters_gathered_behind_forward=ahead is not None and (
+                   "with the buckets" if chooser is not None else True),
                overlap=chooser.reason if chooser is not None else _fixed_overlap(overlap, ours, stage),
                varlen=settings.varlen is not None, compile=compiled)
     if chooser is not None:

@@ -1,0 +1,215 @@
+"""ZeRO-1/2's parameter all-gather after the optimizer step, in flight behind the next forward.
+
+After its step each rank of DeepSpeed's stage 1/2 optimizer has updated only its own
+partition of the flat parameter buffer, then all-gathers the others' (``all_gather_dp_groups``):
+a blocking collective, every core idle, before the next forward may start. While the step's
+buckets are overlapped (``Deferred.active``), ``GatherAhead`` takes that call instead (it reaches
+the core's stand-in, ``comm_backend.py``) and issues it as ``PIECES`` all-gathers, each of the same
+slice of every partition, in the buffer's order: DeepSpeed flattens the parameters in the model's
+order, so the first pieces hold the first layers of every partition. They run on the
+communicator's thread, each copied into the flat buffer as it arrives, and the step returns.
+
+Nothing reads a parameter before its bytes are there. Until every piece is in, a dispatch mode on
+the training thread (``_AwaitParams``) looks at each operator's tensors and waits for the pieces a
+tensor of the flat buffer covers: the next forward's first layers run while later pieces travel,
+whatever reads the parameters (a layer, a tied weight, an average kept in the loop). The mode
+leaves at the end of the model's forward. The model's ``state_dict``, the next step, a forward on
+another thread, a read-only view the mode cannot see (``.numpy()``) through ``settle`` wait for
+every piece first. The bytes gathered are DeepSpeed's, in its order: results are bit-equal to the
+blocking gather's. Not taken (DeepSpeed's blocking gather runs): a compiled model (the mode would
+keep its graphs from running), another dispatch mode already active, a call the routing leaves to
+the stock backend (NCCL), a blocking step of ``"overlap": "auto"``'s trial.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
+from torch.utils._pytree import tree_leaves
+
+from ..._common.patch import change, patch
+from ...core_comm.work import InFlight, Work
+from .overlap import OWNER
+
+__all__ = ["GatherAhead", "PIECES", "patch_gather_ahead"]
+
+PIECES = 8
+"""All-gathers the parameter gather is cut into (fewer where a partition is small)."""
+MIN_PIECE = 1 << 16
+"""Fewest elements of one partition in a piece."""
+
+
+class _Piece:
+    __slots__ = ("storage", "ranges", "work")
+
+    def __init__(self, storage: int, ranges: list[tuple[int, int]], work: Work) -> None:
+        self.storage = storage
+        """``data_ptr`` of the flat buffer's storage."""
+        self.ranges = ranges
+        """Element ranges of that storage the piece writes: the other ranks' slices."""
+        self.work = work
+
+
+class GatherAhead:
+    """The parameter gathers of one ZeRO-1/2 optimizer in flight, and what waits for them."""
+
+    __slots__ = ("backend", "active", "armed", "pending", "queue", "mode", "thread", "gathers")
+
+    def __init__(self, backend, active: Callable[[], bool]) -> None:
+        self.backend = backend
+        """The core's stand-in for DeepSpeed's communication backend."""
+        self.active = active
+        """Whether this step's gather goes behind the next forward (the buckets' mode)."""
+        self.armed = False
+        """True inside the optimizer's step, when its gather may be taken."""
+        self.pending: list[_Piece] = []
+        """Pieces issued, not yet waited for, in order."""
+        self.queue = InFlight()
+        """The same pieces' handles: one failure rule (every piece waited for, the first error raised)."""
+        self.mode: _AwaitParams | None = None
+        """The dispatch mode on ``thread`` while pieces are pending."""
+        self.thread: int | None = None
+        self.gathers = 0
+        """Gathers taken so far."""
+
+    # ------------------------------------------------------------ the optimizer's step
+
+    def step(self, step, *args, **kwargs):
+        """DeepSpeed's ``step``, its parameter gather issued in pieces when ``active``."""
+        self.settle()
+        self.armed = self.active() and _get_current_dispatch_mode() is None
+        try:
+            return step(*args, **kwargs)
+        finally:
+            self.armed = False
+            if self.pending:
+                self.mode, self.thread = _AwaitParams(self), threading.get_ident()
+                self.mode.__enter__()
+
+    def take(self, output: torch.Tensor, input: torch.Tensor, group) -> bool:
+        """DeepSpeed's ``all_gather_into_tensor(output, input, group)`` of the step's flat buffer,
+        issued in pieces (True), or left to the caller (False)."""
+        world, rank = dist.get_world_size(group=group), dist.get_rank(group=group)
+        size = input.numel()
+        if (not self.armed or output.dim() != 1 or not output.is_contiguous() or output.numel() != world * size
+                or input.data_ptr() != output.data_ptr() + rank * size * output.element_size()
+                or not self.backend.takes(group, input.device.type, input.dtype)):
+            return False
+        comm = self.backend.communicator(group)
+        count = max(1, min(PIECES, size // MIN_PIECE))
+        bounds = [size * j // count for j in range(count + 1)]
+        storage, base = output.untyped_storage().data_ptr(), output.storage_offset()
+        for start, end in zip(bounds, bounds[1:]):
+            staged = output.new_empty(world * (end - start))
+            work = comm.all_gather(staged, input[start:end], async_op=True)
+            others = [r for r in range(world) if r != rank]
+            work = Work.after(work, _copier(output, staged, others, size, start, end))
+            self.pending.append(_Piece(storage, [(base + r * size + start, base + r * size + end) for r in others],
+                                       work))
+            self.queue.push("ZeRO parameter all-gather", [work])
+        self.gathers += 1
+        return True
+
+    # ------------------------------------------------------------ waiting
+
+    def wait_for(self, tensors) -> None:
+        """Wait for the pending pieces that any of ``tensors`` reads."""
+        for tensor in tensors:
+            if not self.pending:
+                return
+            if not isinstance(tensor, torch.Tensor) or tensor.numel() == 0:
+                continue
+            try:
+                storage = tensor.untyped_storage().data_ptr()
+            except (RuntimeError, NotImplementedError):  # sparse, or no storage of its own
+                continue
+            start = tensor.storage_offset()
+            end = start + 1 + sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride()) if n > 1)
+            last = max((i for i, p in enumerate(self.pending) if p.storage == storage
+                        and any(a < end and start < b for a, b in p.ranges)), default=-1)
+            if last >= 0:
+                self._wait_through(last)
+
+    def settle(self) -> None:
+        """Wait for every piece in flight; the dispatch mode leaves where it is on top."""
+        if self.pending:
+            self._wait_through(len(self.pending) - 1)
+        if self.mode is not None and self.thread == threading.get_ident() and _get_current_dispatch_mode() is self.mode:
+            mode, self.mode = self.mode, None
+            mode.__exit__(None, None, None)
+
+    def settle_elsewhere(self) -> None:
+        """Every piece waited for unless this is the thread whose operators the mode sees."""
+        if self.pending and self.thread != threading.get_ident():
+            self._wait_through(len(self.pending) - 1)
+
+    def _wait_through(self, last: int) -> None:
+        """Wait for pieces ``0..last`` (in order: they complete in order); a failed piece waits
+        for every other and raises (the rank cannot go on with some parameters stale)."""
+        done, self.pending = self.pending[:last + 1], self.pending[last + 1:]
+        try:
+            for _ in done:
+                self.queue.pop()
+        except BaseException:
+            self.pending = []
+            raise
+
+
+def _copier(output: torch.Tensor, staged: torch.Tensor, others: list[int], size: int, start: int, end: int):
+    """Copy the other ranks' slices of a piece (``staged``: (world * (end - start),)) into ``output``."""
+    def copy() -> None:
+        rows = staged.view(-1, end - start)
+        for r in others:
+            output[r * size + start:r * size + end].copy_(rows[r])
+    return copy
+
+
+class _AwaitParams(TorchDispatchMode):
+    """Waits, before each operator, for the pending pieces its tensors read."""
+
+    def __init__(self, ahead: GatherAhead) -> None:
+        super().__init__()
+        self.ahead = ahead
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.ahead.pending:
+            self.ahead.wait_for(tree_leaves((args, kwargs)))
+        return func(*args, **kwargs)
+
+
+def patch_gather_ahead(optimizer, backend, module: torch.nn.Module, active: Callable[[], bool]) -> GatherAhead | None:
+    """Issue ``optimizer``'s parameter gather in pieces behind ``module``'s next forward while
+    ``active()``; None where DeepSpeed's optimizer has no such gather (not stage 1/2). Every
+    change goes through the patch registry (``status()`` lists it, ``disable()`` undoes it)."""
+    try:
+        from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+    except ImportError:  # pragma: no cover - depends on the DeepSpeed version
+        return None
+    if not isinstance(optimizer, DeepSpeedZeroOptimizer) or not hasattr(optimizer, "bit16_groups_flat"):
+        return None
+    ahead = GatherAhead(backend, active)
+    flats = {flat.data_ptr() for flat in optimizer.bit16_groups_flat}
+    for ptr in flats:
+        backend.gathers_ahead[ptr] = ahead
+    step = optimizer.step
+    patch(optimizer, "step", lambda *a, **k: ahead.step(step, *a, **k), owner=OWNER)
+    handles = [module.register_forward_pre_hook(lambda *_: ahead.settle_elsewhere()),
+               module.register_forward_hook(lambda *_: ahead.settle(), always_call=True),
+               module.register_state_dict_pre_hook(lambda *_: ahead.settle())]
+
+    def undo() -> None:
+        ahead.settle()
+        for handle in handles:
+            handle.remove()
+        for ptr in flats:
+            backend.gathers_ahead.pop(ptr, None)
+
+    change(("zero-gather-ahead", id(optimizer)), f"{type(optimizer).__name__}'s parameter all-gather in pieces "
+           "behind the next forward (hooks on the model, the communication backend's gather)", undo,
+           owner=OWNER, target=optimizer)
+    return ahead
