@@ -13,7 +13,8 @@ Nothing reads a parameter before its bytes are there. Until every piece is in, a
 the training thread (``_AwaitParams``) looks at each operator's tensors and waits for the pieces a
 tensor of the flat buffer covers: the next forward's first layers run while later pieces travel,
 whatever reads the parameters (a layer, a tied weight, an average kept in the loop). The mode
-leaves at the end of the model's forward. The model's ``state_dict``, the next step, a forward on
+leaves at the first layer that starts once every piece is in, or at the end of the model's
+forward. The model's ``state_dict``, the next step, a forward on
 another thread, a read-only view the mode cannot see (``.numpy()``) through ``settle`` wait for
 every piece first. The bytes gathered are DeepSpeed's, in its order: results are bit-equal to the
 blocking gather's. Not taken (DeepSpeed's blocking gather runs): a compiled model (the mode would
@@ -142,6 +143,11 @@ class GatherAhead:
             mode, self.mode = self.mode, None
             mode.__exit__(None, None, None)
 
+    def leave_when_done(self) -> None:
+        """The dispatch mode leaves once every piece is in (a layer's start: outside any operator)."""
+        if self.mode is not None and all(p.work.is_completed() for p in self.pending):
+            self.settle()
+
     def settle_elsewhere(self) -> None:
         """Every piece waited for unless this is the thread whose operators the mode sees."""
         if self.pending and self.thread != threading.get_ident():
@@ -157,6 +163,13 @@ class GatherAhead:
         except BaseException:
             self.pending = []
             raise
+
+
+def _returning_none(fn: Callable[[], None]):
+    """A hook that runs ``fn()`` and returns None (a value would replace the module's input or output)."""
+    def hook(*_) -> None:
+        fn()
+    return hook
 
 
 def _copier(output: torch.Tensor, staged: torch.Tensor, others: list[int], size: int, start: int, end: int):
@@ -198,9 +211,12 @@ def patch_gather_ahead(optimizer, backend, module: torch.nn.Module, active: Call
         backend.gathers_ahead[ptr] = ahead
     step = optimizer.step
     patch(optimizer, "step", lambda *a, **k: ahead.step(step, *a, **k), owner=OWNER)
-    handles = [module.register_forward_pre_hook(lambda *_: ahead.settle_elsewhere()),
-               module.register_forward_hook(lambda *_: ahead.settle(), always_call=True),
-               module.register_state_dict_pre_hook(lambda *_: ahead.settle())]
+    # each layer's start: the mode leaves once every piece is in (it costs each operator a call)
+    handles = [m.register_forward_pre_hook(_returning_none(ahead.leave_when_done))
+               for m in module.modules() if m is not module]
+    handles += [module.register_forward_pre_hook(_returning_none(ahead.settle_elsewhere)),
+                module.register_forward_hook(_returning_none(ahead.settle), always_call=True),
+                module.register_state_dict_pre_hook(_returning_none(ahead.settle))]
 
     def undo() -> None:
         ahead.settle()
