@@ -58,7 +58,7 @@ class _Piece:
 class GatherAhead:
     """The parameter gathers of one ZeRO-1/2 optimizer in flight, and what waits for them."""
 
-    __slots__ = ("backend", "active", "armed", "pending", "queue", "mode", "thread", "gathers")
+    __slots__ = ("backend", "active", "armed", "pending", "queue", "mode", "thread")
 
     def __init__(self, backend, active: Callable[[], bool]) -> None:
         self.backend = backend
@@ -74,8 +74,6 @@ class GatherAhead:
         self.mode: _AwaitParams | None = None
         """The dispatch mode on ``thread`` while pieces are pending."""
         self.thread: int | None = None
-        self.gathers = 0
-        """Gathers taken so far."""
 
     # ------------------------------------------------------------ the optimizer's step
 
@@ -104,15 +102,14 @@ class GatherAhead:
         count = max(1, min(PIECES, size // MIN_PIECE))
         bounds = [size * j // count for j in range(count + 1)]
         storage, base = output.untyped_storage().data_ptr(), output.storage_offset()
+        others = [r for r in range(world) if r != rank]
         for start, end in zip(bounds, bounds[1:]):
             staged = output.new_empty(world * (end - start))
             work = comm.all_gather(staged, input[start:end], async_op=True)
-            others = [r for r in range(world) if r != rank]
             work = Work.after(work, _copier(output, staged, others, size, start, end))
             self.pending.append(_Piece(storage, [(base + r * size + start, base + r * size + end) for r in others],
                                        work))
             self.queue.push("ZeRO parameter all-gather", [work])
-        self.gathers += 1
         return True
 
     # ------------------------------------------------------------ waiting
