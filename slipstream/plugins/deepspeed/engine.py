@@ -129,7 +129,7 @@ def _set_up(original, args, kwargs):
     # the parameter gather after the step behind the next forward, in the buckets' mode
     ahead = (patch_gather_ahead(engine.optimizer, backend, engine.module,
                                 (lambda: chooser.overlap) if chooser is not None else (lambda: True))
-             if owners and overlapped and stage in (1, 2) and not compiled else None)
+             if owners and overlapped and not compiled else None)
     if owners:
         log.info("slipstream: ZeRO gradient buckets reduced to their owners (reduce-scatter)%s",
                  " (overlap auto: a trial times blocking and overlapped steps)" if chooser is not None
