@@ -223,63 +223,93 @@ def test_zero2_buckets_reduce_while_backward_computes_bit_equal_to_blocking(node
         assert overlapped["hidden_s"] > 0, overlapped
 
 
-def _auto_overlap(rank, world):
-    """ZeRO-2 with the default ``"overlap": "auto"``, one bucket per layer: on a slow link (each
-    reduce-scatter as long as a layer's backward) and on a fast one (no delay; the bucket's
-    reduce-scatter takes about 1% of the step). What the trial
-    chose each time, the losses and weights of each run and of ``"overlap": false``, and what a
-    second run on the slow link did with the cached choice."""
+def _auto_overlap(rank, world, stage, gas, cases, layers):
+    """ZeRO-``stage`` with the default ``"overlap": "auto"``, ``gas`` micro-batches a step,
+    ``layers`` layers a bucket: on a slow link (each reduce-scatter as long as a layer's
+    backward) and on a fast one (no delay, and layers of longer backward: the buckets' own
+    work, which an overlapped step hides, about 1% of the step; with the slow link's layers,
+    ZeRO-3's was 3%, the trial's threshold). What the trial chose each time, the losses and
+    weights of each run and of ``"overlap": false``, what a second run on the slow link did
+    with the cached choice (``cases``: which of these run), and after each optimizer step
+    whether the trial was still running."""
     import slipstream
     import slipstream.deepspeed as sds
     from _overlap_trial import LAYER, Layers, batch, slow_link
     from slipstream.core_comm.tuner import overlap as ot
     from slipstream.plugins.deepspeed import uninstall
 
-    def train(overlap, delay_s, steps):
+    def train(overlap, delay_s, steps, compute_s=0.08):
         torch.manual_seed(0)
-        model = Layers(compute_s=0.08)
+        model = Layers(compute_s=compute_s)
         # the core's own chunks (COMM's tiny ones would make a bucket 70 round trips across nodes)
         comm = {"timeout_s": 60} if overlap == "auto" else {"timeout_s": 60, "overlap": overlap}
-        cfg = _ds_config(2, 1, {"enabled": True, "comm": comm}, bucket=LAYER)
+        cfg = _ds_config(stage, gas, {"enabled": True, "comm": comm}, bucket=layers * LAYER)
         with slow_link(delay_s):
             engine, *_ = sds.initialize(model=model, model_parameters=model.parameters(), config=cfg)
-            losses, sizes = [], []
-            for step in range(steps):
+            losses, sizes, in_trial = [], [], []
+            for step in range(steps * gas):
                 x, y = batch(rank, step)
                 loss = (engine(x) - y).pow(2).mean()
                 engine.backward(loss)
                 engine.step()
                 losses.append(loss.item())
-                sizes.append(engine.optimizer.reduce_bucket_size)
+                if (step + 1) % gas == 0:  # an optimizer step
+                    sizes.append(engine.optimizer.reduce_bucket_size)
+                    stack = slipstream.status()["stacks"]["deepspeed"]
+                    in_trial.append(stack["buckets_during_backward"] == "auto (in trial)")
         facts = slipstream.status()["stacks"]["deepspeed"]
         weights = _full_weights(engine)
         uninstall()
         return {"losses": losses, "weights": weights, "overlap": facts["overlap"],
-                "during_backward": facts["buckets_during_backward"], "sizes": sizes}
+                "during_backward": facts["buckets_during_backward"], "sizes": sizes, "in_trial": in_trial}
 
     steps = ot.WARMUP + 2 * ot.ROUNDS + 1
-    runs = {"slow link": train("auto", 0.08, steps), "fast link": train("auto", 0.0, steps),
-            "blocking": train(False, 0.0, steps), "cached": train("auto", 0.08, 3)}
+    runs = {"slow link": train("auto", 0.08, steps), "fast link": train("auto", 0.0, steps, compute_s=0.25),
+            "blocking": train(False, 0.0, steps)}
+    if "cached" in cases:
+        runs["cached"] = train("auto", 0.08, 3)
     blocking = runs["blocking"]["weights"]
     for run in runs.values():  # either mode reduces the same values in the same order
         n, weights = len(run["losses"]), run.pop("weights")
         run["bit_equal"] = run["losses"] == runs["blocking"]["losses"][:n] and (
-            n < steps or all(torch.equal(a, b) for a, b in zip(weights, blocking)))
+            n < steps * gas or all(torch.equal(a, b) for a, b in zip(weights, blocking)))
     return runs
 
 
+def _assert_auto_overlap(runs, steps_in_trial):
+    slow, fast = runs["slow link"], runs["fast link"]
+    # a reduce-scatter as long as a layer's backward: overlapped steps hide it; without, nothing to hide
+    assert slow["during_backward"] is True and "buckets overlapped (measured" in slow["overlap"], slow["overlap"]
+    assert fast["during_backward"] is False and "buckets blocking (measured" in fast["overlap"], fast["overlap"]
+    assert runs["blocking"]["overlap"] == "forced off", runs["blocking"]
+    if "cached" in runs:
+        assert runs["cached"]["during_backward"] is True, runs["cached"]
+        assert "cached from an earlier run" in runs["cached"]["overlap"], runs["cached"]
+    assert len(set(slow["sizes"])) == 1  # the config's bucket size in both modes
+    # the trial counts optimizer steps, not micro-batches: decided at the end of its last one
+    assert slow["in_trial"] == [True] * (steps_in_trial - 1) + [False] * (len(slow["in_trial"]) + 1 - steps_in_trial)
+    assert all(run["bit_equal"] for run in runs.values()), runs
+
+
 def test_zero2_overlap_auto_chooses_by_measurement_caches_the_choice_and_trains_bit_equal(tmp_path):
+    from slipstream.core_comm.tuner import overlap as ot
+
     env = {"SLIPSTREAM_OVERLAP_DIR": str(tmp_path)}
     # 2 nodes of a rank each: each layer's bucket (one owner's) goes to its owner (hierarchical path)
-    for runs in run_ranks(_auto_overlap, 2, rank_env=_env(0, 1), env=env, timeout=300):
-        slow, fast, cached = runs["slow link"], runs["fast link"], runs["cached"]
-        # a reduce-scatter as long as a layer's backward: overlapped steps hide it; without, nothing to hide
-        assert slow["during_backward"] is True and "buckets overlapped (measured" in slow["overlap"], slow["overlap"]
-        assert fast["during_backward"] is False and "buckets blocking (measured" in fast["overlap"], fast["overlap"]
-        assert cached["during_backward"] is True and "cached from an earlier run" in cached["overlap"], cached
-        assert len(set(slow["sizes"])) == 1  # the config's bucket size in both modes
-        assert all(run["bit_equal"] for run in runs.values()), runs
+    for runs in run_ranks(_auto_overlap, 2, 2, 1, ("cached",), 1, rank_env=_env(0, 1), env=env, timeout=300):
+        _assert_auto_overlap(runs, ot.WARMUP + 2 * ot.ROUNDS)
     assert len(list(tmp_path.iterdir())) == 2  # one choice for the model and layout on each link
+
+
+def test_zero3_overlap_auto_chooses_by_measurement_over_accumulated_steps_bit_equal(tmp_path):
+    from slipstream.core_comm.tuner import overlap as ot
+
+    env = {"SLIPSTREAM_OVERLAP_DIR": str(tmp_path)}
+    # ZeRO-3 reduce-scatters each bucket whole (every rank's part of it), two layers a bucket
+    # for a size the core's path takes across nodes, 2 micro-batches a step
+    for runs in run_ranks(_auto_overlap, 2, 3, 2, (), 2, rank_env=_env(0, 1), env=env, timeout=300):
+        _assert_auto_overlap(runs, ot.WARMUP + 2 * ot.ROUNDS)
+    assert len(list(tmp_path.iterdir())) == 2
 
 
 def _zero3_gathers(rank, world):

@@ -56,9 +56,9 @@ class CommConfig(Settings):
     each layer's reduction during backward, waited at its end), so the link works while the
     cores compute. On a CPU the collectives' own work competes with compute for the cores:
     measured on 2 cores, a net gain on a 100 Mbit/s link (ZeRO-2, FSDP2), a loss for ZeRO-2 on
-    1 Gbit/s (benchmarks/results/overlap_*). ``"auto"`` (the default): ZeRO-2 and FSDP2 on a CPU
-    time blocking and overlapped steps in turns in the job's first steps and keep the faster
-    (``tuner/overlap.py``; the choice is cached for the next run); ZeRO-1 and ZeRO-3 block.
+    1 Gbit/s (benchmarks/results/overlap_*). ``"auto"`` (the default): ZeRO-2/3 and FSDP2 on a
+    CPU time blocking and overlapped steps in turns in the job's first steps and keep the
+    faster (``tuner/overlap.py``; the choice is cached for the next run); ZeRO-1 blocks.
     ``true`` / ``false`` force it. The results are bit-equal either way."""
 
     wire: str = "full"

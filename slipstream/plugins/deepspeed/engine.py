@@ -91,12 +91,15 @@ def _set_up(original, args, kwargs):
     ours = stays is None
     overlap = settings.comm.overlap
     stage = ds_config.get("zero_optimization", {}).get("stage", 0)
-    # "auto" trials ZeRO-2 on a CPU step by step (its buckets: DeepSpeed's sizes while blocking,
-    # the tuner's while overlapped); ZeRO-3's prefetch buckets are set once, ZeRO-1 reduces after
-    # backward: they block
-    trial = ours and overlap == "auto" and _on_cpu() and stage == 2
+    # "auto" trials ZeRO-2 and ZeRO-3 on a CPU step by step (their gradient buckets: DeepSpeed's
+    # size while blocking, the tuner's while overlapped); ZeRO-3's parameter prefetch bucket is
+    # set once, the tuner's in either mode; ZeRO-1 reduces after backward: it blocks
+    trial = ours and overlap == "auto" and _on_cpu() and stage in (2, 3)
     if ours and not trial:
         ds_config = bucket_defaults(ds_config, _recommended_buckets(backend, ds_config, overlap is True))
+    elif trial and stage == 3:
+        prefetch = _recommended_buckets(backend, ds_config, True).get("stage3_prefetch_bucket_size")
+        ds_config = bucket_defaults(ds_config, {} if prefetch is None else {"stage3_prefetch_bucket_size": prefetch})
     apply_job_effects(settings, on_cpu=_on_cpu())
     if settings.varlen is not None:
         from ...core_compile import apply_varlen
@@ -121,8 +124,9 @@ def _set_up(original, args, kwargs):
     chooser = _overlap_trial(backend, engine, ds_config, stage) if trial else None
     owners = ours and patch_zero_optimizer(engine.optimizer, overlap=overlap is True, trial=chooser,
                                            overlap_bucket=_overlap_bucket(backend, ds_config) if trial else None)
-    if ours and stage == 3 and overlap is True:
-        patch_zero3_optimizer(engine.optimizer)
+    if ours and stage == 3 and (overlap is True or chooser is not None):
+        patch_zero3_optimizer(engine.optimizer, trial=chooser,
+                              overlap_bucket=_overlap_bucket(backend, ds_config) if chooser is not None else None)
     overlapped = overlaps(engine.optimizer)
     if chooser is not None and not overlapped:
         chooser = None  # DeepSpeed's optimizer cannot defer its buckets here: they block
@@ -135,7 +139,9 @@ def _set_up(original, args, kwargs):
                  " (overlap auto: a trial times blocking and overlapped steps)" if chooser is not None
                  else ", during backward" if overlapped else "")
     elif overlapped:
-        log.info("slipstream: ZeRO-3 gradient buckets reduce-scattered during backward")
+        log.info("slipstream: ZeRO-3 gradient buckets reduce-scattered%s",
+                 " (overlap auto: a trial times blocking and overlapped steps)" if chooser is not None
+                 else " during backward")
     note_stack("deepspeed", engaged=True, zero_stage=stage,
                collectives=("deepspeed.comm through the core" if ours else
                             f"DeepSpeed's own ({stays})"),
@@ -180,8 +186,7 @@ def _fixed_overlap(overlap, ours: bool, stage: int) -> str:
         return "the stack's own"
     if overlap != "auto":
         return "forced on" if overlap else "forced off"
-    why = ("ZeRO-3's buckets are set at start-up; \"overlap\": true overlaps them" if stage == 3
-           else "ZeRO-1 reduces its buckets after backward" if stage == 1
+    why = ("ZeRO-1 reduces its buckets after backward" if stage == 1
            else "no ZeRO gradient buckets" if stage == 0
            else "trialled on a CPU only" if not _on_cpu() else "DeepSpeed's optimizer cannot defer its buckets here")
     return f"auto: blocking ({why})"

@@ -26,6 +26,10 @@ and copies the reduced shards into the gradient partitions (DeepSpeed's ``partit
 it is, in order, while backward goes on, and at the latest when more than
 ``IN_FLIGHT_BUCKETS`` buckets are in flight (so a big model's gradients are not all held at
 once) or at the end of backward.
+
+Under ``"overlap": "auto"`` either deferral holds the job's ``OverlapTrial``: a step it says
+blocks goes through DeepSpeed's own methods at DeepSpeed's bucket size, an overlapped one as
+above at the tuner's, and the end of each step's backward times the step and sets the next.
 """
 
 from __future__ import annotations
@@ -48,15 +52,39 @@ is waited for and finished, so a big model's gradients are not all held twice.""
 
 class _Spares:
     """A deferral's queue of buckets in flight (the core's ``InFlight``: at most
-    ``IN_FLIGHT_BUCKETS``, one failure rule) and the buffers of finished ones."""
+    ``IN_FLIGHT_BUCKETS``, one failure rule), the buffers of finished ones, and the overlap
+    trial that says step by step whether buckets are deferred."""
 
-    __slots__ = ("queue", "spare")
+    __slots__ = ("queue", "spare", "trial", "buckets")
 
-    def __init__(self) -> None:
+    def __init__(self, trial: OverlapTrial | None = None, buckets: tuple[int, int] | None = None) -> None:
         self.queue = InFlight(IN_FLIGHT_BUCKETS)
         """Buckets issued, in order: their reductions, and DeepSpeed's bookkeeping of each."""
         self.spare: list[torch.Tensor] = []
         """Buffers of finished buckets, for the next buckets set aside."""
+        self.trial = trial
+        """With ``"overlap": "auto"``: the trial that says, step by step, whether buckets are
+        deferred (None: always)."""
+        self.buckets = buckets
+        """With a trial: DeepSpeed's ``reduce_bucket_size`` for (blocking, overlapped) steps."""
+
+    @property
+    def active(self) -> bool:
+        """Whether this step's buckets are reduced while backward goes on."""
+        return self.trial is None or self.trial.overlap
+
+    def _backward_done(self, optimizer) -> bool:
+        """The end of a backward: where it closes a step, the trial times it and sets the next
+        step's mode and bucket size. True when the size changed (the spares are dropped)."""
+        if self.trial is None or not _at_boundary(optimizer):
+            return False
+        self.trial.step_done()  # the same point of every step on every rank
+        size = self.buckets[self.trial.overlap]
+        if size == optimizer.reduce_bucket_size:
+            return False
+        optimizer.reduce_bucket_size = size
+        self.spare.clear()
+        return True
 
     def drain(self, optimizer) -> None:
         """Wait for every bucket in flight and run DeepSpeed's bookkeeping of each, in order.
@@ -84,22 +112,12 @@ class _Spares:
 class Deferred(_Spares):
     """The buckets of one ZeRO-1/2 optimizer whose reduction is in flight."""
 
-    __slots__ = ("collecting", "trial", "buckets")
+    __slots__ = ("collecting",)
 
     def __init__(self, trial: OverlapTrial | None = None, buckets: tuple[int, int] | None = None) -> None:
-        super().__init__()
+        super().__init__(trial, buckets)
         self.collecting: list | None = None
         """While a bucket's reduction is issued: its ``(work, finish)`` pairs (``zero.py``)."""
-        self.trial = trial
-        """With ``"overlap": "auto"``: the trial that says, step by step, whether buckets are
-        deferred (None: always)."""
-        self.buckets = buckets
-        """With a trial: DeepSpeed's ``reduce_bucket_size`` for (blocking, overlapped) steps."""
-
-    @property
-    def active(self) -> bool:
-        """Whether this step's buckets are reduced while backward goes on."""
-        return self.trial is None or self.trial.overlap
 
     # ---------------------------------------------------------------- DeepSpeed's methods
 
@@ -123,12 +141,7 @@ class Deferred(_Spares):
         self.reduce_ipg_grads(optimizer)
         self.drain(optimizer)
         type(optimizer).independent_gradient_partition_epilogue(optimizer)
-        if self.trial is not None and getattr(optimizer, "is_gradient_accumulation_boundary", True):
-            self.trial.step_done()  # the same point of every step on every rank
-            size = self.buckets[self.trial.overlap]
-            if size != optimizer.reduce_bucket_size:  # DeepSpeed allocates the next step's buffers
-                optimizer.reduce_bucket_size = size
-                self.spare.clear()
+        self._backward_done(optimizer)  # DeepSpeed allocates the next step's buffers at their size
 
     # ---------------------------------------------------------------- the deferral
 
@@ -184,8 +197,8 @@ class Deferred3(_Spares):
 
     __slots__ = ("issued", "running_on")
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, trial: OverlapTrial | None = None, buckets: tuple[int, int] | None = None) -> None:
+        super().__init__(trial, buckets)
         self.issued = 0
         """Buckets whose reduce-scatter was issued during backward."""
         self.running_on = 0
@@ -193,11 +206,12 @@ class Deferred3(_Spares):
 
     def reduce_and_partition(self, optimizer, communication_data_type) -> None:
         """``__reduce_and_partition_ipg_grads``: the bucket's reduce-scatter issued, or run by
-        DeepSpeed after the buckets in flight where it cannot be deferred."""
+        DeepSpeed after the buckets in flight where it cannot be deferred (or, in a blocking
+        step of the trial, is not)."""
         bucket = optimizer.ipg_buckets[communication_data_type]
         if not bucket.params:
             return
-        if not _deferrable3(optimizer, bucket, communication_data_type):
+        if not (self.active and _deferrable3(optimizer, bucket, communication_data_type)):
             self.drain(optimizer)
             _stage3(optimizer, "reduce_and_partition_ipg_grads")(communication_data_type)
             return
@@ -228,6 +242,13 @@ class Deferred3(_Spares):
             self.reduce_and_partition(optimizer, dtype)
         self.drain(optimizer)
         type(optimizer).independent_gradient_partition_epilogue(optimizer)
+        if self._backward_done(optimizer):
+            # DeepSpeed allocates ZeRO-3's bucket buffers once, at the size then: the next
+            # step's, at the new size (every bucket is empty at the end of backward)
+            for dtype, bucket in optimizer.ipg_buckets.items():
+                if bucket.buffer is not None:
+                    bucket.buffer = torch.empty(optimizer.reduce_bucket_size, dtype=dtype,
+                                                device=bucket.buffer.device)
 
     def _finish(self, optimizer, entry: dict) -> None:
         optimizer.partition_grads(entry["params"], entry["partitions"])
@@ -289,6 +310,13 @@ def _scatter_async(optimizer, params: list) -> tuple[list[torch.Tensor], list]:
 
 # The fields of DeepSpeed's IPG bucket that describe its current fill.
 _FIELDS = ("params", "grads", "elements", "has_moe_params")
+
+
+def _at_boundary(optimizer) -> bool:
+    """Whether the backward that just ended closes an accumulation (the optimizer steps next):
+    DeepSpeed's optimizers answer by a method (recent versions) or an attribute (older ones)."""
+    boundary = getattr(optimizer, "is_gradient_accumulation_boundary", True)
+    return bool(boundary() if callable(boundary) else boundary)
 
 
 def _copy(value):

@@ -148,13 +148,7 @@ def patch_zero_optimizer(optimizer, overlap: bool = False, trial=None, overlap_b
         return False
     deferred = None
     if (overlap or trial is not None) and all(hasattr(optimizer, n) for n in _DEFERRED_NEEDS):
-        size = int(optimizer.reduce_bucket_size)  # what DeepSpeed allocated its bucket buffers for
-        deferred = Deferred(trial, (size, min(size, overlap_bucket or size))) if trial is not None else Deferred()
-        if trial is not None:  # the deferral sets the size of each step's buckets: put back with it
-            ref = weakref.ref(optimizer)
-            change(("zero-buckets", id(optimizer)), f"{type(optimizer).__name__}.reduce_bucket_size, set per step "
-                   "by the overlap trial", lambda: ref() is not None and setattr(ref(), "reduce_bucket_size", size),
-                   owner=_OWNER, target=optimizer)
+        deferred = Deferred(*_trial_buckets(optimizer, trial, overlap_bucket))
     patch(optimizer, _METHOD, functools.partial(_reduce_to_owners, optimizer, deferred), owner=_OWNER)
     if deferred is not None:
         patch(optimizer, "reduce_ipg_grads", functools.partial(deferred.reduce_ipg_grads, optimizer), owner=_OWNER)
@@ -163,10 +157,12 @@ def patch_zero_optimizer(optimizer, overlap: bool = False, trial=None, overlap_b
     return True
 
 
-def patch_zero3_optimizer(optimizer) -> bool:
-    """Reduce-scatter ``optimizer``'s gradient buckets while backward goes on (``overlap.py``);
-    True when patched (DeepSpeed's own ZeRO-3 optimizer, not a subclass), False otherwise.
-    Idempotent."""
+def patch_zero3_optimizer(optimizer, trial=None, overlap_bucket: int | None = None) -> bool:
+    """Reduce-scatter ``optimizer``'s gradient buckets while backward goes on (``overlap.py``),
+    or, given ``trial`` (an ``OverlapTrial``), in the mode it says step by step, with
+    ``overlap_bucket`` elements a bucket in overlapped steps (DeepSpeed's own size in blocking
+    ones); True when patched (DeepSpeed's own ZeRO-3 optimizer, not a subclass), False
+    otherwise. Idempotent."""
     try:
         from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
     except ImportError:  # pragma: no cover - depends on the DeepSpeed version
@@ -175,11 +171,25 @@ def patch_zero3_optimizer(optimizer) -> bool:
             or not all(hasattr(DeepSpeedZeroOptimizer_Stage3, n) for n in map(stage3_name, STAGE3_PRIVATE))
             or not all(hasattr(optimizer, n) for n in _DEFERRED3_NEEDS)):
         return False
-    deferred = Deferred3()
+    deferred = Deferred3(*_trial_buckets(optimizer, trial, overlap_bucket))
     patch(optimizer, _STAGE3_REDUCE, functools.partial(deferred.reduce_and_partition, optimizer), owner=_OWNER)
     patch(optimizer, "independent_gradient_partition_epilogue", functools.partial(deferred.epilogue, optimizer),
           owner=_OWNER)
     return True
+
+
+def _trial_buckets(optimizer, trial, overlap_bucket: int | None) -> tuple:
+    """A deferral's ``(trial, (blocking, overlapped) bucket sizes)``: DeepSpeed's allocated size
+    in blocking steps, ``overlap_bucket`` (at most that) in overlapped ones; ``(None, None)``
+    without a trial. The size the trial changes step by step is put back with the patches."""
+    if trial is None:
+        return None, None
+    size = int(optimizer.reduce_bucket_size)  # what DeepSpeed allocated its bucket buffers for
+    ref = weakref.ref(optimizer)
+    change(("zero-buckets", id(optimizer)), f"{type(optimizer).__name__}.reduce_bucket_size, set per step "
+           "by the overlap trial", lambda: ref() is not None and setattr(ref(), "reduce_bucket_size", size),
+           owner=_OWNER, target=optimizer)
+    return trial, (size, min(size, overlap_bucket or size))
 
 
 def overlaps(optimizer) -> bool:
