@@ -52,23 +52,25 @@ def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @contextlib.contextmanager
-def slow_link(delay_s: float):
-    """Every reduce-scatter of the core takes ``delay_s`` more, on the thread that runs it (the
-    caller's when it blocks, the communicator's when issued asynchronously), as a slow link
-    would; ``SLIPSTREAM_LINK`` names the link, as the emulated cluster does."""
+def slow_link(delay_s: float, kind: str = "reduce_scatter"):
+    """Every reduce-scatter (``kind="all_reduce"``: all-reduce) of the core takes ``delay_s``
+    more, on the thread that runs it (the caller's when it blocks, the communicator's when
+    issued asynchronously), as a slow link would; ``SLIPSTREAM_LINK`` names the link, as the
+    emulated cluster does."""
     from slipstream.core_comm import Communicator
 
-    resize = Communicator._resize
+    name = "_all_reduce" if kind == "all_reduce" else "_resize"
+    original = getattr(Communicator, name)
 
-    def slowed(self, kind, *args):
-        if kind == "reduce_scatter":
+    def slowed(self, *args, **kwargs):
+        if name == "_all_reduce" or args[0] == "reduce_scatter":
             time.sleep(delay_s)
-        return resize(self, kind, *args)
+        return original(self, *args, **kwargs)
 
-    Communicator._resize = slowed
-    os.environ["SLIPSTREAM_LINK"] = f"{delay_s} s a reduce-scatter"
+    setattr(Communicator, name, slowed)
+    os.environ["SLIPSTREAM_LINK"] = f"{delay_s} s a {kind}"
     try:
         yield
     finally:
-        Communicator._resize = resize
+        setattr(Communicator, name, original)
         del os.environ["SLIPSTREAM_LINK"]

@@ -370,8 +370,9 @@ def test_fsdp2_reductions_run_while_backward_computes_bit_equal_to_blocking(node
 
 def _auto_overlap(rank, world):
     """FSDP2 with the default ``"overlap": "auto"`` on a slow link (each reduce-scatter as long
-    as a layer's backward) and with ``"overlap": false``: what the trial chose, the losses and
-    the weights of each."""
+    as a layer's backward) and with ``"overlap": false``, 2 micro-batches a step (the first
+    accumulated unreduced): what the trial chose, whether it was still running after each
+    step, the losses and the weights of each."""
     from torch.distributed.fsdp import fully_shard
 
     import slipstream
@@ -389,24 +390,32 @@ def _auto_overlap(rank, world):
         fully_shard(model)
         fsdp.apply(model, CommConfig(overlap=overlap))
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        losses = []
+        losses, in_trial = [], []
         with slow_link(0.08):
             for step in range(ot.WARMUP + 2 * ot.ROUNDS + 1):
-                x, y = batch(rank, step)
-                loss = (model(x) - y).pow(2).mean()
-                loss.backward()
+                for micro in range(2):
+                    model.set_requires_gradient_sync(micro == 1)
+                    x, y = batch(rank, 2 * step + micro)
+                    loss = (model(x) - y).pow(2).mean()
+                    loss.backward()
+                    losses.append(loss.item())
                 opt.step()
                 opt.zero_grad()
-                losses.append(loss.item())
-        facts = slipstream.status()["stacks"]["fsdp"]
-        runs[overlap] = losses, [p.to_local().detach().clone() for p in model.parameters()], facts
+                facts = slipstream.status()["stacks"]["fsdp"]
+                in_trial.append(facts["reductions_during_backward"] == "auto (in trial)")
+        runs[overlap] = losses, [p.to_local().detach().clone() for p in model.parameters()], facts, in_trial
         fsdp.remove(model)
-    (auto, auto_w, facts), (blocking, blocking_w, _) = runs["auto"], runs[False]
+    (auto, auto_w, facts, in_trial), (blocking, blocking_w, _, _) = runs["auto"], runs[False]
     assert auto == blocking and all(torch.equal(a, b) for a, b in zip(auto_w, blocking_w))
-    return facts
+    return {**facts, "in_trial": in_trial}
 
 
 def test_fsdp2_overlap_auto_overlaps_on_a_slow_link_bit_equal_to_blocking(tmp_path):
+    from slipstream.core_comm.tuner import overlap as ot
+
     for facts in run_ranks(_auto_overlap, 2, env={"SLIPSTREAM_OVERLAP_DIR": str(tmp_path)}, timeout=300):
         assert facts["reductions_during_backward"] is True, facts
         assert "FSDP2 reductions overlapped (measured" in facts["overlap"], facts
+        # the trial counts optimizer steps, not backwards: decided at the end of its last step
+        decided = ot.WARMUP + 2 * ot.ROUNDS
+        assert facts["in_trial"] == [True] * (decided - 1) + [False] * 2, facts

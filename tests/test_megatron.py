@@ -437,3 +437,83 @@ def test_bench_megatron_refuses_a_tp_that_crosses_nodes():
 
     with pytest.raises(SystemExit, match="--tp 4: must divide the ranks per node"):
         main(["bench", "megatron", "--layout", "2x2@1gbit", "--tp", "4"])
+
+
+def _auto_overlap(rank, world):
+    """Megatron's DDP built as a job builds it (``overlap_grad_reduce`` off, buckets of one
+    layer), under slipstream's default ``"overlap": "auto"``: on a slow link (each all-reduce as
+    long as a layer's backward) and on a fast one (no delay, layers of longer backward); and
+    with ``"overlap": false``, Megatron's own blocking path. Per run: what the trial chose, the
+    losses and weights, whether the trial was still running after each step, the job's own
+    config afterwards, and each step's all-reduces issued while backward went on."""
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from _overlap_trial import LAYER, Layers, batch, slow_link
+    from slipstream.core_comm import CommConfig
+    from slipstream.core_comm.tuner import overlap as ot
+    from slipstream.plugins.megatron import uninstall
+
+    _cpu_workarounds()
+
+    def train(overlap, delay_s, compute_s, steps):
+        slipstream.enable(CommConfig(timeout_s=60, overlap=overlap))
+        parallel_state.initialize_model_parallel()
+        torch.manual_seed(0)
+        model = Layers(compute_s)
+        own = DistributedDataParallelConfig(grad_reduce_in_fp32=True, bucket_size=LAYER)
+        config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1, use_cpu_initialization=True)
+        losses, in_trial, during = [], [], []
+        with slow_link(delay_s, "all_reduce"):  # the link named before the trial keys its choice
+            ddp = DistributedDataParallel(config, own, model)
+            for step in range(steps):
+                ddp.zero_grad_buffer()
+                x, y = batch(rank, step)
+                loss = (ddp(x) - y).pow(2).mean()
+                loss.backward()
+                # an overlapped step has issued its buckets' all-reduces before backward ended
+                during.append(any(g.grad_reduce_handle is not None for g in ddp.bucket_groups))
+                ddp.finish_grad_sync()
+                with torch.no_grad():
+                    for p in ddp.parameters():
+                        p -= 0.01 * p.main_grad
+                losses.append(loss.item())
+                facts = slipstream.status()["stacks"]["megatron"]
+                in_trial.append(facts.get("buckets_during_backward") == "auto (in trial)")
+        weights = [p.detach().clone() for p in ddp.parameters()]
+        parallel_state.destroy_model_parallel()
+        uninstall()
+        return {"losses": losses, "weights": weights, "overlap": facts.get("overlap"), "in_trial": in_trial,
+                "during_backward": facts.get("buckets_during_backward"), "issued_during": during,
+                "own_flag": own.overlap_grad_reduce, "buckets": len(ddp.bucket_groups)}
+
+    steps = ot.WARMUP + 2 * ot.ROUNDS + 1
+    runs = {"slow link": train("auto", 0.08, 0.08, steps), "fast link": train("auto", 0.0, 0.25, steps),
+            "blocking": train(False, 0.0, 0.0, steps)}
+    reference = runs["blocking"]["losses"], runs["blocking"]["weights"]
+    for run in runs.values():  # either mode reduces the same buckets with the same values
+        weights = run.pop("weights")
+        run["bit_equal"] = run["losses"] == reference[0] and all(torch.equal(a, b) for a, b in zip(weights, reference[1]))
+    return runs
+
+
+def test_megatron_ddp_overlap_auto_chooses_by_measurement_bit_equal_to_megatrons_blocking_path(tmp_path):
+    from slipstream.core_comm.tuner import overlap as ot
+
+    env = {"SLIPSTREAM_OVERLAP_DIR": str(tmp_path), "SLIPSTREAM_NODE": "0"}
+    for runs in run_ranks(_auto_overlap, 2, env=env, backend="slipstream", timeout=300):
+        slow, fast, blocking = runs["slow link"], runs["fast link"], runs["blocking"]
+        assert slow["during_backward"] is True and "buckets overlapped (measured" in slow["overlap"], slow
+        assert fast["during_backward"] is False and "buckets blocking (measured" in fast["overlap"], fast
+        decided = ot.WARMUP + 2 * ot.ROUNDS  # the trial's last step
+        assert slow["in_trial"] == [True] * (decided - 1) + [False] * (len(slow["in_trial"]) + 1 - decided), slow
+        # blocking first, then overlapped and blocking in turns (the first overlapped step issues
+        # at the end, as Megatron's does), the choice after the trial
+        assert slow["issued_during"] == [False, False, False, True, False, True, False, True, True], slow
+        assert not any(fast["issued_during"][decided:]) and not any(blocking["issued_during"]), (fast, blocking)
+        assert blocking["overlap"] == "forced off" and blocking["buckets"] == 1  # Megatron's own: one bucket
+        assert slow["buckets"] == fast["buckets"] == 4  # one a layer, as the job's config asked
+        assert not any(run["own_flag"] for run in runs.values())  # the job's config object is untouched
+        assert all(run["bit_equal"] for run in runs.values()), runs
+    assert len(list(tmp_path.iterdir())) == 2  # one choice for the model and layout on each link

@@ -5,7 +5,10 @@ over every rank) on one cluster layout (default 2 emulated nodes x 2 ranks over 
 needed), three jobs run one after another on the same data and seed (``workers/megatron.py``):
 gloo with padded batches (stock), slipstream with padded batches, slipstream with packed (THD)
 batches through its packed attention. Megatron's DDP reduces the gradients; the optimizer is
-torch's AdamW over DDP's reduced gradients.
+torch's AdamW over DDP's reduced gradients. Slipstream's jobs turn it on as a user does
+(``slipstream.enable()``), so its defaults hold: under ``"overlap": "auto"`` their first steps
+trial Megatron's bucket all-reduces during backward against blocking (the notes say what each
+chose; ``SLIPSTREAM_OVERLAP_DIR`` keeps the choice for the next run).
 
 Columns: the median step time of the slowest rank; ratio = gloo padded / this job (> 1 is
 faster); loss: the largest per-step relative difference from gloo padded; for slipstream's
@@ -169,6 +172,8 @@ def run(args: argparse.Namespace) -> int:
              *(["rounding: 'gloo padded, sums reversed' is stock's own rounding floor for the padded jobs; "
                 "packed jobs against gloo packed: " + "; ".join(_packed_against_stock(r) for r in records)]
                if args.rounding else []),
+             *(f"overlap, TP={r['tp']} {_job_name(j)}: {j['overlap_choice']}" for r in records for j in r["jobs"]
+               if j.get("overlap_choice")),
              "worked around in the ranks (megatron-core on CPU): " + "; ".join(CPU_WORKAROUNDS)]
     extra = f"megatron-core {version('megatron-core') or 'not installed'}"
     emit(page(command, notes, _table(records), extra), records, args)

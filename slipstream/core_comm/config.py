@@ -52,12 +52,13 @@ class CommConfig(Settings):
     """Before every collective, check that all ranks call it with the same size and dtype."""
     overlap: bool | str = "auto"
     """Adapters issue a stack's gradient reductions asynchronously and wait where the stack
-    needs their result (ZeRO-1/2: full buckets during backward, waited at its end; FSDP2 / HSDP:
-    each layer's reduction during backward, waited at its end), so the link works while the
-    cores compute. On a CPU the collectives' own work competes with compute for the cores:
-    measured on 2 cores, a net gain on a 100 Mbit/s link (ZeRO-2, FSDP2), a loss for ZeRO-2 on
-    1 Gbit/s (benchmarks/results/overlap_*). ``"auto"`` (the default): ZeRO-2/3 and FSDP2 on a
-    CPU time blocking and overlapped steps in turns in the job's first steps and keep the
+    needs their result (ZeRO-1/2/3: full buckets during backward, waited at its end; FSDP2 /
+    HSDP: each layer's reduction during backward, waited at its end; Megatron DDP: each bucket's
+    all-reduce as backward fills it), so the link works while the cores compute. On a CPU the
+    collectives' own work competes with compute for the cores: measured on 2 cores, a net gain
+    on a 100 Mbit/s link (ZeRO-2, FSDP2), a loss for ZeRO-2 on 1 Gbit/s
+    (benchmarks/results/overlap_*). ``"auto"`` (the default): ZeRO-2/3, FSDP2 and Megatron DDP
+    on a CPU time blocking and overlapped steps in turns in the job's first steps and keep the
     faster (``tuner/overlap.py``; the choice is cached for the next run); ZeRO-1 blocks.
     ``true`` / ``false`` force it. The results are bit-equal either way."""
 

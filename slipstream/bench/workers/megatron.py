@@ -25,7 +25,7 @@ import time
 import torch
 import torch.distributed as dist
 
-import slipstream  # noqa: F401 - registers the backend
+import slipstream
 from slipstream.cluster.worker import add_flags, cores_per_rank, least, run_worker, slowest
 
 CPU_WORKAROUNDS = (
@@ -136,6 +136,7 @@ def train(args: argparse.Namespace) -> dict:
                   comm_least_s=least({"comm": comm[args.warmup:]})["comm"],
                   real_tokens=tokens[0].item() / args.tp, padded_tokens=tokens[1].item() / args.tp,
                   link_bytes=tokens[2].item(), comm_paths=counters.snapshot(),
+                  overlap_choice=slipstream.status()["stacks"].get("megatron", {}).get("overlap"),
                   world_backend=dist.get_backend_config())
     parallel_state.destroy_model_parallel()
     return result
@@ -199,6 +200,13 @@ def _step(model, opt, b: dict, packed: bool, dp_group) -> tuple[float, float]:
     return time.perf_counter() - t0, (counts[1] / counts[0]).item()
 
 
+def join(args: argparse.Namespace) -> None:
+    """The default group on ``--backend``; slipstream's job turns slipstream on first, as a user
+    does (``slipstream.enable()``: the Megatron adapter with its defaults, overlap auto among them)."""
+    if args.backend == "slipstream":
+        slipstream.enable()
+    dist.init_process_group(args.backend)
+
+
 if __name__ == "__main__":
-    run_worker(train, options=options, group=lambda args: dist.init_process_group(args.backend),
-               threads=cores_per_rank)
+    run_worker(train, options=options, group=join, threads=cores_per_rank)

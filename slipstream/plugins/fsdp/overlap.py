@@ -68,9 +68,11 @@ class Deferral:
         return self.issuing == kind
 
     def step_done(self) -> None:
-        """A backward ended (every reduction waited for): the trial times it and says how the
-        next one runs, the prefetched all-gathers asynchronous with the reductions or not."""
-        if self.trial is None:
+        """A backward ended (every reduction waited for): where it reduced gradients (the last
+        of an accumulation: FSDP2's ``set_requires_gradient_sync(False)`` leaves the others
+        unreduced), the trial times the step and says how the next one runs, the prefetched
+        all-gathers asynchronous with the reductions or not."""
+        if self.trial is None or not any(group.reduce_grads for group, _ in self.groups):
             return
         self.trial.step_done()
         for group, own in self.groups:

@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING
 import torch.distributed as dist
 
 from ..._common.record import note_stack, warn_once
-from ..._common.patch import is_patched, patch, uninstall_all, unpatch
+from ..._common.patch import is_patched, patch, uninstall_all
+from .overlap import OWNER as OVERLAP_OWNER
 
 if TYPE_CHECKING:
     from ..config import SlipstreamConfig
@@ -117,33 +118,70 @@ def enable_compile(config=None, steps: int | None = None) -> None:
     many forward calls of the module as Megatron's micro-batches then (``micro_batches``).
     Idempotent (the latest ``config`` holds); ``disable_compile`` undoes it (modules already
     wrapped keep their autotuner: ``slipstream.uncompile``)."""
-    from megatron.core.distributed import distributed_data_parallel as ddp_module
-
-    from ...core_compile import compile as compile_
     from ...core_compile.autotune.config import CompileConfig
 
     config = CompileConfig() if config is None else config
     if not isinstance(config, CompileConfig):
         raise TypeError(f"config must be a CompileConfig, got {type(config).__name__}")
-    cls = ddp_module.DistributedDataParallel
-    if is_patched(cls, "__init__"):
-        unpatch(cls, "__init__")
-    original = cls.__init__
-
-    @functools.wraps(original)
-    def __init__(self, *args, **kwargs):
-        original(self, *args, **kwargs)
-        group = getattr(self, "dp_cp_group", None)  # the ranks that see the same model
-        compile_(self.module, config=config.with_run_length(steps, micro_batches()), group=group)
-        note_stack("megatron-compile", engaged=True, by="--slipstream-compile",
-                   model=f"{type(self.module).__name__} under Megatron's DDP: strategy chosen by measurement "
-                         "(slipstream.compile_report(ddp.module))")
-
-    patch(cls, "__init__", __init__, owner=_OWNER + "-compile")
+    _DDP.compile = (config, steps)
+    _DDP.wrap()
 
 
 def disable_compile() -> None:
-    uninstall_all(_OWNER + "-compile")
+    _DDP.compile = None
+    _DDP.unwrap_unless_needed()
+
+
+class _DDPInit:
+    """What slipstream does to each Megatron ``DistributedDataParallel`` as it is built, through
+    one reversible patch of its ``__init__`` (owner ``megatron-ddp``): the gradient buckets'
+    overlap (``overlap.py``; while the adapter is installed) and the compile hook (while
+    ``enable_compile`` holds)."""
+
+    def __init__(self) -> None:
+        self.compile = None
+        """``(CompileConfig, steps)`` while ``enable_compile`` holds."""
+        self.overlap = False
+        """Whether the adapter is installed (the buckets' overlap is then prepared)."""
+
+    def wrap(self) -> None:
+        from megatron.core.distributed import distributed_data_parallel as ddp_module
+
+        cls = ddp_module.DistributedDataParallel
+        if is_patched(cls, "__init__"):
+            return
+        original, state = cls.__init__, self
+
+        @functools.wraps(original)
+        def __init__(self, config, ddp_config, module, disable_bucketing=False, pg_collection=None, **kwargs):
+            from .overlap import engage, prepare
+
+            plan = prepare(config, ddp_config, module, disable_bucketing, pg_collection) if state.overlap else None
+            original(self, config, plan.ddp_config if plan is not None else ddp_config, module,
+                     disable_bucketing=disable_bucketing, pg_collection=pg_collection, **kwargs)
+            if plan is not None:
+                engage(self, plan)
+            if state.compile is not None:
+                state.compile_module(self)
+
+        patch(cls, "__init__", __init__, owner=_OWNER + "-ddp")
+
+    def unwrap_unless_needed(self) -> None:
+        if self.compile is None and not self.overlap:
+            uninstall_all(_OWNER + "-ddp")
+
+    def compile_module(self, ddp) -> None:
+        from ...core_compile import compile as compile_
+
+        config, steps = self.compile
+        group = getattr(ddp, "dp_cp_group", None)  # the ranks that see the same model
+        compile_(ddp.module, config=config.with_run_length(steps, micro_batches()), group=group)
+        note_stack("megatron-compile", engaged=True, by="--slipstream-compile",
+                   model=f"{type(ddp.module).__name__} under Megatron's DDP: strategy chosen by measurement "
+                         "(slipstream.compile_report(ddp.module))")
+
+
+_DDP = _DDPInit()
 
 
 def train_iterations(args: argparse.Namespace) -> int | None:
@@ -180,6 +218,8 @@ def install() -> None:
         return result
 
     patch(parallel_state, "initialize_model_parallel", initialize_model_parallel, owner=_OWNER)
+    _DDP.overlap = True
+    _DDP.wrap()
 
 
 def uninstall() -> None:
@@ -187,7 +227,9 @@ def uninstall() -> None:
 
     restore_process_groups()
     uninstall_all(_OWNER)
+    uninstall_all(OVERLAP_OWNER)
     disable_packed_attention()
+    _DDP.overlap = False
     disable_compile()
 
 
