@@ -238,3 +238,30 @@ def test_an_all_reduce_across_nodes_is_chunked_by_a_quarter_rounded_down_to_a_po
     assert [c >> 20 for c in seen] == [4, 4, 4, 4, 8, 8, 8, 16, 16]
     comm._cpu_all_reduce(torch.empty(1 << 20), dist.ReduceOp.SUM, 3 << 20)
     assert seen[-1] == 3 << 20
+
+
+def _settings_warnings(rank, world):
+    """The pool's warning about a communicator asked for other settings than it was built
+    with: built with the defaults (no config given), then asked with the same settings
+    spelled out, then with other ones."""
+    import logging
+
+    from slipstream.core_comm import pool
+
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logging.getLogger("slipstream").addHandler(handler)
+    group = dist.new_group([0, 1])
+    built = pool.get(group)
+    same = pool.get(group, config=pool.POOL.default_config())
+    before = len(seen)
+    pool.get(group, config=CommConfig(timeout_s=17))
+    logging.getLogger("slipstream").removeHandler(handler)
+    return same is built, before, [m for m in seen if "was built with" in m]
+
+
+def test_the_pool_warns_only_when_asked_for_other_settings_than_its_communicator_has():
+    for same, before, warned in run_ranks(_settings_warnings, 2, rank_env=_nodes(0, 0), timeout=120):
+        assert same and before == 0, warned  # the defaults, spelled out: the same settings
+        assert len(warned) == 1 and "timeout_s=17" in warned[0], warned

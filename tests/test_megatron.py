@@ -494,7 +494,8 @@ def _auto_overlap(rank, world):
     reference = runs["blocking"]["losses"], runs["blocking"]["weights"]
     for run in runs.values():  # either mode reduces the same buckets with the same values
         weights = run.pop("weights")
-        run["bit_equal"] = run["losses"] == reference[0] and all(torch.equal(a, b) for a, b in zip(weights, reference[1]))
+        run["bit_equal"] = run["losses"] == reference[0] and all(
+            torch.equal(a, b) for a, b in zip(weights, reference[1]))
     return runs
 
 

@@ -78,8 +78,9 @@ class CommunicatorPool:
                                 "not %s (destroy the group or close it to change settings)", _ranks(key),
                                 comm.config, config)
                 return comm
-            comm = self._comms[key] = _build(key, config if config is not None else self.default_config())
-            self._asked[key] = config
+            resolved = config if config is not None else self.default_config()
+            comm = self._comms[key] = _build(key, resolved)
+            self._asked[key] = resolved  # a later call asking the same settings is not warned
             if not self._exit_hook:
                 # at exit, before torch's process groups are torn down: our worker threads
                 # finish and our memory is released (a process that left them to the

@@ -69,7 +69,8 @@ def prepare(config, ddp_config, module: torch.nn.Module, disable_bucketing: bool
         return None  # no data-parallel exchange through the core
     why = ("forced off" if mode is False
            else "the job's own overlap_grad_reduce" if ddp_config.overlap_grad_reduce
-           else "blocking: the distributed optimizer is left as the job built it" if ddp_config.use_distributed_optimizer
+           else "blocking: the distributed optimizer is left as the job built it"
+           if ddp_config.use_distributed_optimizer
            else "blocking: the job disabled bucketing" if disable_bucketing else None)
     if why is not None:
         update_stack("megatron", buckets_during_backward=bool(ddp_config.overlap_grad_reduce), overlap=why)
