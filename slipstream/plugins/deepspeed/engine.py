@@ -95,11 +95,12 @@ def _set_up(original, args, kwargs):
     # size while blocking, the tuner's while overlapped); ZeRO-3's parameter prefetch bucket is
     # set once, the tuner's in either mode; ZeRO-1 reduces after backward: it blocks
     trial = ours and overlap == "auto" and _on_cpu() and stage in (2, 3)
+    tuned = _recommended_buckets(backend, ds_config, True) if trial else {}  # the overlapped steps' sizes
     if ours and not trial:
         ds_config = bucket_defaults(ds_config, _recommended_buckets(backend, ds_config, overlap is True))
-    elif trial and stage == 3:
-        prefetch = _recommended_buckets(backend, ds_config, True).get("stage3_prefetch_bucket_size")
-        ds_config = bucket_defaults(ds_config, {} if prefetch is None else {"stage3_prefetch_bucket_size": prefetch})
+    elif "stage3_prefetch_bucket_size" in tuned:
+        ds_config = bucket_defaults(ds_config, {"stage3_prefetch_bucket_size": tuned["stage3_prefetch_bucket_size"]})
+    overlap_bucket = _overlap_bucket(ds_config, tuned) if trial else None
     apply_job_effects(settings, on_cpu=_on_cpu())
     if settings.varlen is not None:
         from ...core_compile import apply_varlen
@@ -123,10 +124,9 @@ def _set_up(original, args, kwargs):
     engine = result[0]
     chooser = _overlap_trial(backend, engine, ds_config, stage) if trial else None
     owners = ours and patch_zero_optimizer(engine.optimizer, overlap=overlap is True, trial=chooser,
-                                           overlap_bucket=_overlap_bucket(backend, ds_config) if trial else None)
+                                           overlap_bucket=overlap_bucket)
     if ours and stage == 3 and (overlap is True or chooser is not None):
-        patch_zero3_optimizer(engine.optimizer, trial=chooser,
-                              overlap_bucket=_overlap_bucket(backend, ds_config) if chooser is not None else None)
+        patch_zero3_optimizer(engine.optimizer, trial=chooser, overlap_bucket=overlap_bucket)
     overlapped = overlaps(engine.optimizer)
     if chooser is not None and not overlapped:
         chooser = None  # DeepSpeed's optimizer cannot defer its buckets here: they block
@@ -174,10 +174,11 @@ def _overlap_trial(backend, engine, ds_config: dict, stage: int):
     return OverlapTrial(f"ZeRO-{stage} gradient buckets", key, engine.optimizer.dp_process_group)
 
 
-def _overlap_bucket(backend, ds_config: dict) -> int | None:
-    """The gradient bucket of overlapped steps under ``"auto"``: the config's own, else the tuner's."""
+def _overlap_bucket(ds_config: dict, tuned: dict) -> int | None:
+    """The gradient bucket of overlapped steps under ``"auto"``: the config's own, else the
+    tuner's (``tuned``: ``_recommended_buckets`` with overlap)."""
     own = ds_config.get("zero_optimization", {}).get("reduce_bucket_size")
-    return own if own is not None else _recommended_buckets(backend, ds_config, True).get("reduce_bucket_size")
+    return own if own is not None else tuned.get("reduce_bucket_size")
 
 
 def _fixed_overlap(overlap, ours: bool, stage: int) -> str:

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from ..._common.record import note_stack, warn_once
 from ..._common.patch import is_patched, patch, uninstall_all
-from .overlap import OWNER as OVERLAP_OWNER
+from .overlap import OWNER as OVERLAP_OWNER, engage, prepare
 
 if TYPE_CHECKING:
     from ..config import SlipstreamConfig
@@ -154,8 +154,6 @@ class _DDPInit:
 
         @functools.wraps(original)
         def __init__(self, config, ddp_config, module, disable_bucketing=False, pg_collection=None, **kwargs):
-            from .overlap import engage, prepare
-
             plan = prepare(config, ddp_config, module, disable_bucketing, pg_collection) if state.overlap else None
             original(self, config, plan.ddp_config if plan is not None else ddp_config, module,
                      disable_bucketing=disable_bucketing, pg_collection=pg_collection, **kwargs)

@@ -97,17 +97,17 @@ def engage(ddp, plan: Plan) -> None:
     trial = _trial(ddp, plan) if plan.mode == "auto" else None
     own = ddp.ddp_config
     own.overlap_grad_reduce = trial is None  # a trial's first step blocks
-    original = type(ddp).finish_grad_sync
-
-    @functools.wraps(original)
-    def finish_grad_sync(*args, **kwargs):
-        result = original(ddp, *args, **kwargs)
-        trial.step_done()  # the same point of every step on every rank
-        own.overlap_grad_reduce = trial.overlap
-        return result
-
     if trial is not None:
         from .._adapter import note_overlap_choice
+
+        original = type(ddp).finish_grad_sync
+
+        @functools.wraps(original)
+        def finish_grad_sync(*args, **kwargs):
+            result = original(ddp, *args, **kwargs)
+            trial.step_done()  # the same point of every step on every rank
+            own.overlap_grad_reduce = trial.overlap
+            return result
 
         patch(ddp, "finish_grad_sync", finish_grad_sync, owner=OWNER)
         trial.on_decided = note_overlap_choice("megatron", "buckets_during_backward")
