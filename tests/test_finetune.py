@@ -22,6 +22,9 @@ def test_embedded_default_runs_end_to_end_and_matches_stock(tmp_path):
     for r in (stock, ours):
         assert r["tokens_per_s"] > 0 and r["step_time_s"] > 0 and len(r["losses"]) == 4
         assert 0 <= r["comm_least_s"] <= r["comm_time_s"]  # each step's least over the ranks is at most rank 0's
+        assert 0 < r["compute_fastest_s"] <= r["compute_s"] <= r["compute_slowest_s"]  # rank 0 lies within the spread
+        (rank0, _), _ = r["compute_exposed_by_rank_s"]  # each rank's medians, rank 0's first
+        assert rank0 == r["compute_s"]
         assert (out / f"checkpoint-{r['impl']}").is_dir()
     for a, b in zip(stock["losses"], ours["losses"]):
         assert abs(a - b) <= 1e-5 * abs(a)

@@ -181,6 +181,8 @@ def compare_table(stock: dict, ours: dict, peer: dict | None = None) -> str:
         ("real tokens/s", "tokens_per_s", "{:.0f}"),
         ("step time (s)", "step_time_s", "{:.3f}"),
         ("compute (s)", "compute_s", "{:.3f}"),
+        ("  slowest rank", "compute_slowest_s", "{:.3f}"),
+        ("  fastest rank", "compute_fastest_s", "{:.3f}"),
         ("in collectives (s)", "comm_time_s", "{:.3f}"),
         ("  least of any rank", "comm_least_s", "{:.3f}"),
         ("exposed comm (s)", "exposed_comm_s", "{:.3f}"),

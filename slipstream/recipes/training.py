@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from .._common import record
-from ..cluster.worker import add_flags, least
+from ..cluster.worker import add_flags, least, slowest
 from ..core_comm import counters
 from ..core_compile import balance, global_token_count
 from .alpaca import alpaca_samples, pad_batch
@@ -141,6 +141,13 @@ def summary(args, records: list[dict], timer: CommTimer, model, *, varlen: bool,
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     compiled = compile_report(model)
     fewest = least({"comm": [r["comm_time_s"] for r in timed]})["comm"]
+    # a rank that computes longer makes the others wait in the step's first collective after it
+    computes = [r["step_time_s"] - r["exposed_comm_s"] for r in timed]
+    spread = slowest({"most": computes, "least": [-c for c in computes]})
+    by_rank = torch.zeros(dist.get_world_size(), 2, dtype=torch.float64)  # each rank's medians: compute, exposed
+    mine = [statistics.median_high(computes), statistics.median_high(r["exposed_comm_s"] for r in timed)]
+    by_rank[dist.get_rank()] = torch.tensor(mine, dtype=torch.float64)
+    dist.all_reduce(by_rank)
     removed = 1 - sum(r["real_tokens"] for r in records) / sum(r["padded_tokens"] for r in records) if varlen else 0.0
     return {
         "impl": args.impl, "steps": args.steps, "zero": args.zero,
@@ -148,7 +155,10 @@ def summary(args, records: list[dict], timer: CommTimer, model, *, varlen: bool,
         "comm_time_s": statistics.median_high(r["comm_time_s"] for r in timed), "peak_mem_mb": float(peak),
         "comm_least_s": statistics.median_high(fewest),
         "exposed_comm_s": statistics.median_high(r["exposed_comm_s"] for r in timed),
-        "compute_s": statistics.median_high(r["step_time_s"] - r["exposed_comm_s"] for r in timed),
+        "compute_s": statistics.median_high(computes),
+        "compute_slowest_s": statistics.median_high(spread["most"]),
+        "compute_fastest_s": statistics.median_high(-c for c in spread["least"]),
+        "compute_exposed_by_rank_s": by_rank.tolist(),
         "link_bytes_per_node": statistics.median_high(r["link_bytes_per_node"] for r in timed),
         "padding_removed": removed,
         "losses": [r["loss"] for r in records], "final_loss": records[-1]["loss"], "checkpoint": checkpoint,
