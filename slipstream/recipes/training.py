@@ -145,8 +145,8 @@ def summary(args, records: list[dict], timer: CommTimer, model, *, varlen: bool,
     computes = [r["step_time_s"] - r["exposed_comm_s"] for r in timed]
     spread = slowest({"most": computes, "least": [-c for c in computes]})
     by_rank = torch.zeros(dist.get_world_size(), 2, dtype=torch.float64)  # each rank's medians: compute, exposed
-    mine = [statistics.median_high(computes), statistics.median_high(r["exposed_comm_s"] for r in timed)]
-    by_rank[dist.get_rank()] = torch.tensor(mine, dtype=torch.float64)
+    compute, exposed = (statistics.median_high(computes), statistics.median_high(r["exposed_comm_s"] for r in timed))
+    by_rank[dist.get_rank()] = torch.tensor([compute, exposed], dtype=torch.float64)
     dist.all_reduce(by_rank)
     removed = 1 - sum(r["real_tokens"] for r in records) / sum(r["padded_tokens"] for r in records) if varlen else 0.0
     return {
@@ -154,8 +154,7 @@ def summary(args, records: list[dict], timer: CommTimer, model, *, varlen: bool,
         "tokens_per_s": real / seconds, "step_time_s": statistics.median_high(r["step_time_s"] for r in timed),
         "comm_time_s": statistics.median_high(r["comm_time_s"] for r in timed), "peak_mem_mb": float(peak),
         "comm_least_s": statistics.median_high(fewest),
-        "exposed_comm_s": statistics.median_high(r["exposed_comm_s"] for r in timed),
-        "compute_s": statistics.median_high(computes),
+        "exposed_comm_s": exposed, "compute_s": compute,
         "compute_slowest_s": statistics.median_high(spread["most"]),
         "compute_fastest_s": statistics.median_high(-c for c in spread["least"]),
         "compute_exposed_by_rank_s": by_rank.tolist(),
