@@ -140,10 +140,9 @@ def summary(args, records: list[dict], timer: CommTimer, model, *, varlen: bool,
     peak = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0])
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     compiled = compile_report(model)
-    fewest = least({"comm": [r["comm_time_s"] for r in timed]})["comm"]
     # a rank that computes longer makes the others wait in the step's first collective after it
     computes = [r["step_time_s"] - r["exposed_comm_s"] for r in timed]
-    spread = slowest({"most": computes, "least": [-c for c in computes]})
+    fewest = least({"comm": [r["comm_time_s"] for r in timed], "compute": computes})
     by_rank = torch.zeros(dist.get_world_size(), 2, dtype=torch.float64)  # each rank's medians: compute, exposed
     compute, exposed = (statistics.median_high(computes), statistics.median_high(r["exposed_comm_s"] for r in timed))
     by_rank[dist.get_rank()] = torch.tensor([compute, exposed], dtype=torch.float64)
@@ -153,10 +152,10 @@ def summary(args, records: list[dict], timer: CommTimer, model, *, varlen: bool,
         "impl": args.impl, "steps": args.steps, "zero": args.zero,
         "tokens_per_s": real / seconds, "step_time_s": statistics.median_high(r["step_time_s"] for r in timed),
         "comm_time_s": statistics.median_high(r["comm_time_s"] for r in timed), "peak_mem_mb": float(peak),
-        "comm_least_s": statistics.median_high(fewest),
+        "comm_least_s": statistics.median_high(fewest["comm"]),
         "exposed_comm_s": exposed, "compute_s": compute,
-        "compute_slowest_s": statistics.median_high(spread["most"]),
-        "compute_fastest_s": statistics.median_high(-c for c in spread["least"]),
+        "compute_slowest_s": statistics.median_high(slowest({"compute": computes})["compute"]),
+        "compute_fastest_s": statistics.median_high(fewest["compute"]),
         "compute_exposed_by_rank_s": by_rank.tolist(),
         "link_bytes_per_node": statistics.median_high(r["link_bytes_per_node"] for r in timed),
         "padding_removed": removed,
