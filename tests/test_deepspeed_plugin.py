@@ -246,6 +246,7 @@ def _auto_overlap(rank, world, stage, gas, cases, layers):
         cfg = _ds_config(stage, gas, {"enabled": True, "comm": comm}, bucket=layers * LAYER)
         with slow_link(delay_s):
             engine, *_ = sds.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+            before = slipstream.status()["stacks"]["deepspeed"]["buckets_during_backward"]  # as the start line says
             losses, sizes, in_trial = [], [], []
             for step in range(steps * gas):
                 x, y = batch(rank, step)
@@ -261,7 +262,8 @@ def _auto_overlap(rank, world, stage, gas, cases, layers):
         weights = _full_weights(engine)
         uninstall()
         return {"losses": losses, "weights": weights, "overlap": facts["overlap"],
-                "during_backward": facts["buckets_during_backward"], "sizes": sizes, "in_trial": in_trial}
+                "during_backward": facts["buckets_during_backward"], "sizes": sizes, "in_trial": in_trial,
+                "before": before}
 
     steps = ot.WARMUP + 2 * ot.ROUNDS + 1
     runs = {"slow link": train("auto", 0.08, steps), "fast link": train("auto", 0.0, steps, compute_s=0.25),
@@ -285,6 +287,8 @@ def _assert_auto_overlap(runs, steps_in_trial):
     if "cached" in runs:
         assert runs["cached"]["during_backward"] is True, runs["cached"]
         assert "cached from an earlier run" in runs["cached"]["overlap"], runs["cached"]
+        assert runs["cached"]["before"] == "auto (cached)", runs["cached"]  # said so before its first step
+    assert slow["before"] == "auto (in trial)", slow
     assert len(set(slow["sizes"])) == 1  # the config's bucket size in both modes
     # the trial counts optimizer steps, not micro-batches: decided at the end of its last one
     assert slow["in_trial"] == [True] * (steps_in_trial - 1) + [False] * (len(slow["in_trial"]) + 1 - steps_in_trial)

@@ -322,9 +322,13 @@ def test_overlap_trial_choice_is_cached_per_key_and_link(monkeypatch, tmp_path):
     monkeypatch.setenv("SLIPSTREAM_OVERLAP_DIR", str(tmp_path))
     monkeypatch.setenv("SLIPSTREAM_LINK", "100mbit")
     first = ot.OverlapTrial("test buckets", {"model": 1})
+    assert first.pending == "auto (in trial)" and "timed blocking and overlapped in turns" in first.reason
     _run_trial(first, clock, 1.0, 0.5, 2 * ot.ROUNDS + ot.WARMUP)
     assert first.choice is True and len(list(tmp_path.iterdir())) == 1
     again = ot.OverlapTrial("test buckets", {"model": 1})
+    # before its first step the start line already names the cached mode, not a trial
+    assert again.pending == "auto (cached)" and again.choice is None
+    assert again.reason.startswith("overlap auto: test buckets overlapped, as cached from an earlier run"), again.reason
     # the next run: overlapped from its second step, no trial, whatever its steps take
     assert _run_trial(again, clock, 0.5, 1.0, 4) == [False, True, True, True]
     assert again.choice is True and "cached from an earlier run" in again.reason, again.reason
@@ -332,4 +336,5 @@ def test_overlap_trial_choice_is_cached_per_key_and_link(monkeypatch, tmp_path):
     for key, link in (({"model": 2}, "100mbit"), ({"model": 1}, "1gbit")):  # another model, another link
         monkeypatch.setenv("SLIPSTREAM_LINK", link)
         other = ot.OverlapTrial("test buckets", key)
+        assert other.pending == "auto (in trial)"
         assert _run_trial(other, clock, 1.0, 0.5, 3) == [False, True, False] and other.choice is None

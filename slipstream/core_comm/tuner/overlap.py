@@ -64,8 +64,13 @@ class OverlapTrial:
         """The mode of the step now running (blocking first)."""
         self.choice: bool | None = None
         """The decision, once made (None: still in trial)."""
-        self.reason = (f"overlap auto: {what} timed blocking and overlapped in turns "
-                       f"({WARMUP} untimed steps, then {ROUNDS} of each)")
+        trial = f"timed blocking and overlapped in turns ({WARMUP} untimed steps, then {ROUNDS} of each)"
+        cached = self._read_cache()
+        self.pending = "auto (in trial)" if cached is None else "auto (cached)"
+        """What the start line says of the mode before the first step decides or confirms it."""
+        self.reason = (f"overlap auto: {what} {trial}" if cached is None else
+                       f"overlap auto: {what} {'overlapped' if cached['overlap'] else 'blocking'}, as cached from "
+                       f"an earlier run (taken at the first step if every rank has it, else {trial})")
         self.on_decided: Callable[[OverlapTrial], None] | None = None
         """Called once the choice is made (measured or cached)."""
         self.steps = 0
@@ -121,16 +126,21 @@ class OverlapTrial:
         digest = hashlib.sha256(json.dumps(self.key, sort_keys=True, default=str).encode()).hexdigest()[:20]
         return overlap_cache_dir() / f"{digest}.json"
 
+    def _read_cache(self) -> dict | None:
+        """This rank's cached choice for ``key``, or None."""
+        if not self.cache:
+            return None
+        try:
+            data = read_json(self._path())
+            if data.get("key") == json.loads(json.dumps(self.key, default=str)) and "overlap" in data:
+                return data
+        except (OSError, ValueError, AttributeError):
+            pass
+        return None
+
     def _take_cached(self) -> bool:
         """The cached choice, where every rank has the same one (one all-reduce); else False."""
-        cached = None
-        if self.cache:
-            try:
-                data = read_json(self._path())
-                if data.get("key") == json.loads(json.dumps(self.key, default=str)):
-                    cached = data
-            except (OSError, ValueError, AttributeError):
-                cached = None
+        cached = self._read_cache()
         code = _CODES[None if cached is None else bool(cached["overlap"])]
         most, least = self._max_over_ranks([code, -code])
         if cached is None or most != -least:

@@ -146,7 +146,7 @@ def _set_up(original, args, kwargs):
                collectives=("deepspeed.comm through the core" if ours else
                             f"DeepSpeed's own ({stays})"),
                gradient_buckets_to_owners=bool(owners),
-               buckets_during_backward="auto (in trial)" if chooser is not None else bool(overlapped),
+               buckets_during_backward=chooser.pending if chooser is not None else bool(overlapped),
                parameters_gathered_behind_forward=ahead is not None and (
                    "with the buckets" if chooser is not None else True),
                overlap=chooser.reason if chooser is not None else _fixed_overlap(overlap, ours, stage),

@@ -152,7 +152,7 @@ def apply(model: torch.nn.Module, config: CommConfig | None = None) -> list[str]
         what = "on" if overlap is True else "as an earlier apply set it"
     note_stack("fsdp", engaged=bool(switched), by="slipstream.fsdp.apply", modules_through_the_core=len(switched),
                hsdp_replicate_all_reduce="through the core" if _HSDP.groups else None,
-               reductions_during_backward="auto (in trial)" if trial is not None else during, overlap=what,
+               reductions_during_backward=trial.pending if trial is not None else during, overlap=what,
                modules_left_to_fsdp=f"{len(kept)} ({kept[0]})" if kept else None)
     if kept and not switched:  # no communicator will be built to start the job's line: say it now
         record.start()

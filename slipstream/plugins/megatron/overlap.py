@@ -114,7 +114,7 @@ def engage(ddp, plan: Plan) -> None:
     ref = weakref.ref(own)
     change(("megatron-overlap", id(ddp)), f"{type(ddp).__name__}'s overlap_grad_reduce, set by slipstream's overlap",
            lambda: ref() is not None and setattr(ref(), "overlap_grad_reduce", False), owner=OWNER, target=ddp)
-    update_stack("megatron", buckets_during_backward="auto (in trial)" if trial is not None else True,
+    update_stack("megatron", buckets_during_backward=trial.pending if trial is not None else True,
                  overlap=trial.reason if trial is not None else "forced on",
                  gradient_bucket=f"{plan.bucket} elements")
 
