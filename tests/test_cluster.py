@@ -28,7 +28,8 @@ _WORKER = textwrap.dedent(
     if os.environ.get("FAIL_RANK") == str(rank):
         sys.exit(3)
     record = dict(rank=rank, world=dist.get_world_size(), sum=t[0].item(),
-                  node=os.environ.get("SLIPSTREAM_NODE"), ifname=os.environ.get("GLOO_SOCKET_IFNAME"))
+                  node=os.environ.get("SLIPSTREAM_NODE"), ifname=os.environ.get("GLOO_SOCKET_IFNAME"),
+                  cpus=sorted(os.sched_getaffinity(0)))
     with open(os.path.join(sys.argv[1], f"rank{rank}.json"), "w") as f:
         json.dump(record, f)
     dist.destroy_process_group()
@@ -104,12 +105,21 @@ def test_failing_rank_fails_the_launch(tmp_path):
 
 @pytest.mark.netns
 @pytest.mark.slow
-def test_two_nodes_allreduce_across_the_link(tmp_path):
-    spec = ClusterSpec(nodes=2, ranks_per_node=2, link="1gbit")
+@pytest.mark.parametrize("pin", [False, True], ids=["shared-cpus", "pinned"])
+def test_two_nodes_allreduce_across_the_link(tmp_path, pin):
+    spec = ClusterSpec(nodes=2, ranks_per_node=2, link="1gbit", pin_nodes=pin)
     seen = _run_worker(tmp_path, spec)
     assert [s["sum"] for s in seen] == [10.0] * 4
     assert [s["node"] for s in seen] == ["0", "0", "1", "1"]
     assert {s["ifname"] for s in seen} == {EmulatedCluster.iface}
+    cpus = sorted(os.sched_getaffinity(0))
+    by_node = [{tuple(s["cpus"]) for s in seen if s["node"] == n} for n in "01"]
+    assert all(len(b) == 1 for b in by_node), by_node  # a node's ranks share their CPUs
+    (node0,), (node1,) = by_node
+    if not pin:
+        assert list(node0) == list(node1) == cpus
+    elif len(cpus) >= 2:  # each node on its own half of this process's CPUs
+        assert set(node0).isdisjoint(node1) and len(node0) == len(node1) == len(cpus) // 2, by_node
     assert not _ours()
 
 

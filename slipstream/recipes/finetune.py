@@ -33,6 +33,8 @@ def add_arguments(p) -> None:
     p.add_argument("--nproc", type=int, default=2, help="ranks per node")
     p.add_argument("--nodes", type=int, default=1, help="emulated nodes (network namespaces; needs root)")
     p.add_argument("--link", default=None, help="rate of each emulated node's link, e.g. 1gbit")
+    p.add_argument("--pin-nodes", action="store_true",
+                   help="run each emulated node's ranks on their own share of the CPUs (taskset)")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--stack", choices=tuple(WORKERS), default="deepspeed",
                    help="deepspeed: DeepSpeed ZeRO (default); fsdp: PyTorch FSDP2 (fully_shard per decoder layer)")
@@ -105,7 +107,7 @@ def validate(args) -> None:
 
 def run(args) -> int:
     validate(args)
-    spec = ClusterSpec(nodes=args.nodes, ranks_per_node=args.nproc, link=args.link)
+    spec = ClusterSpec(nodes=args.nodes, ranks_per_node=args.nproc, link=args.link, pin_nodes=args.pin_nodes)
     results = {key: _launch(args, impl, spec, hsdp) for key, impl, hsdp in _runs(args)}
     _link_bound(results, spec)
     for r in results.values():
