@@ -1,5 +1,7 @@
 """The communicator against gloo: every placement of ranks on (override-emulated) nodes."""
 
+import mmap
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -107,8 +109,27 @@ def _on_world(rank, world, expected_algo):
         comm.plan = _AlwaysHierarchical()
         assert comm.algorithm(torch.ones(1000))[0] == "hierarchical"
     _compare_with_gloo(comm, None, rank, world, [0, 1, 13, 1031])
+    held = comm.held_bytes()
+    if comm.shm is None and comm.hier is None:  # the stock path keeps nothing of ours
+        assert held == 0
+    elif comm.shm is not None:  # at least the node's segment, as this process maps it (in whole pages)
+        mapped = _mapped_bytes(comm.shm.segment_name)
+        assert mapped > 0 and held > mapped - mmap.PAGESIZE, (held, mapped)
+    _compare_with_gloo(comm, None, rank, world, [1031])
+    assert comm.held_bytes() == held  # what the calls keep is kept, not grown by calls of sizes seen before
     comm.close()
     return comm.topology.node_of, made, _gloo_groups() - before
+
+
+def _mapped_bytes(path: str) -> int:
+    """The bytes of this process's mappings of ``path`` (``/proc/self/maps``)."""
+    total = 0
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            if path in line:
+                lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+                total += hi - lo
+    return total
 
 
 @pytest.mark.parametrize(

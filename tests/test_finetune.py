@@ -29,6 +29,8 @@ def test_embedded_default_runs_end_to_end_and_matches_stock(tmp_path):
     for a, b in zip(stock["losses"], ours["losses"]):
         assert abs(a - b) <= 1e-5 * abs(a)
     assert ours["padding_removed"] > 0.2 and stock["padding_removed"] == 0
+    # the core's buffers are part of slipstream's peak (one node: at least its shared segment)
+    assert stock["core_buffers_mb"] is None and 0 < ours["core_buffers_mb"] < ours["peak_mem_mb"]
     # slipstream answers DeepSpeed's collectives without adding any: the same calls per
     # collective as stock, except that ZeRO-2's gradient allreduce (this model's gradients fit
     # DeepSpeed's one bucket: one a step) becomes reduce-scatters to the slices' owners: one a

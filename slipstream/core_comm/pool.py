@@ -140,6 +140,10 @@ class CommunicatorPool:
         with self._lock:
             return [(g, c) for g, c in self._comms.items() if _alive(g)]
 
+    def held_bytes(self) -> int:
+        """What this rank's communicators keep from call to call (``Communicator.held_bytes``)."""
+        return sum(c.held_bytes() for _, c in self.items())
+
     def close(self, group: dist.ProcessGroup | None = None) -> None:
         """Close ``group``'s communicator (finishing its pending calls); others stay."""
         key = _key(group)
@@ -211,6 +215,7 @@ for_call = POOL.for_call
 decide = POOL.decide
 stayed = POOL.stayed
 peek = POOL.peek
+held_bytes = POOL.held_bytes
 default_config = POOL.default_config
 items = POOL.items
 close = POOL.close

@@ -61,6 +61,11 @@ class Scratch:
         self._arenas = [torch.empty(0, dtype=torch.uint8) for _ in range(slots)]
         self._used = [0] * slots
 
+    @property
+    def nbytes(self) -> int:
+        """The bytes its arenas hold (the temporaries over ``KEPT`` are not kept)."""
+        return sum(a.numel() for a in self._arenas)
+
     def begin(self, slot: int) -> None:
         """Chunk ``slot`` (modulo the ring) starts: every piece its slot gave before is free.
         A slot smaller than another grows to its size here, its pages written."""

@@ -166,7 +166,9 @@ def _print_summary(r: dict) -> None:
         f"\n[{r['impl']}] {what}, {r['steps']} steps: {r['tokens_per_s']:.0f} real tokens/s, "
         f"step {r['step_time_s']:.3f} s (communication {r['comm_time_s']:.3f} s, exposed {r['exposed_comm_s']:.3f} s), "
         f"padding removed {100 * r['padding_removed']:.0f}%, final loss {r['final_loss']:.4f}, "
-        f"peak memory {r['peak_mem_mb']:.0f} MiB" + (f"\ncheckpoint: {r['checkpoint']}" if r["checkpoint"] else "")
+        f"peak memory {r['peak_mem_mb']:.0f} MiB"
+        + (f" (the core's buffers {r['core_buffers_mb']:.0f} MiB)" if r.get("core_buffers_mb") is not None else "")
+        + (f"\ncheckpoint: {r['checkpoint']}" if r["checkpoint"] else "")
         + (f"\n{r['overlap']}" if r.get("overlap") else "")
     )
 
@@ -190,6 +192,7 @@ def compare_table(stock: dict, ours: dict, peer: dict | None = None) -> str:
         ("exposed comm (s)", "exposed_comm_s", "{:.3f}"),
         ("link bound (s)", "link_bound_s", "{:.3f}"),
         ("peak memory (MiB)", "peak_mem_mb", "{:.0f}"),
+        ("  core's buffers", "core_buffers_mb", "{:.0f}"),
         ("final loss", "final_loss", "{:.6f}"),
     ]
     bases = [stock] + ([peer] if peer is not None else [])

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from .._common import record
 from ..cluster.worker import add_flags, least, slowest
-from ..core_comm import counters
+from ..core_comm import counters, pool
 from ..core_compile import balance, global_token_count
 from .alpaca import alpaca_samples, pad_batch
 from .comm_timer import CommTimer
@@ -137,7 +137,8 @@ def summary(args, records: list[dict], timer: CommTimer, model, *, varlen: bool,
     timed = records[WARMUP_STEPS:] or records
     real = sum(r["real_tokens"] for r in timed)
     seconds = sum(r["step_time_s"] for r in timed)
-    peak = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0])
+    # the most any rank held: its peak resident memory and the core's buffers within it
+    peak = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0, pool.held_bytes() / 2**20])
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     compiled = compile_report(model)
     # a rank that computes longer makes the others wait in the step's first collective after it
@@ -151,7 +152,8 @@ def summary(args, records: list[dict], timer: CommTimer, model, *, varlen: bool,
     return {
         "impl": args.impl, "steps": args.steps, "zero": args.zero,
         "tokens_per_s": real / seconds, "step_time_s": statistics.median_high(r["step_time_s"] for r in timed),
-        "comm_time_s": statistics.median_high(r["comm_time_s"] for r in timed), "peak_mem_mb": float(peak),
+        "comm_time_s": statistics.median_high(r["comm_time_s"] for r in timed), "peak_mem_mb": float(peak[0]),
+        "core_buffers_mb": float(peak[1]) if args.impl != "stock" else None,
         "comm_least_s": statistics.median_high(fewest["comm"]),
         "exposed_comm_s": exposed, "compute_s": compute,
         "compute_slowest_s": statistics.median_high(slowest({"compute": computes})["compute"]),

@@ -112,6 +112,10 @@ class CmaComm:
         self._scratch = torch.empty(chunk_bytes, dtype=torch.uint8)  # one peer's chunk
         self._acc = torch.empty(2, chunk_bytes // 2, dtype=torch.float32)  # fp16/bf16: the sum, a peer's chunk
 
+    def held_bytes(self) -> int:
+        """Its chunk buffers' bytes."""
+        return self._scratch.numel() + 4 * self._acc.numel()
+
     def all_reduce(self, tensor: torch.Tensor, op=ReduceOp.SUM) -> None:
         """In place: ``tensor`` (any shape) becomes the reduction over ranks."""
         work = tensor if tensor.is_contiguous() else tensor.contiguous()

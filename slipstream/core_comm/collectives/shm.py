@@ -190,6 +190,10 @@ class ShmComm:
         if aborted.size:
             self.fail(f"{self.who(int(aborted[0]))} failed during collective #{self._seq}")
 
+    def held_bytes(self) -> int:
+        """What this rank holds: the node's segment (mapped whole by every rank) and its arena."""
+        return (0 if self._mm.closed else len(self._mm)) + self._scratch.nbytes
+
     def close(self) -> None:
         self._broken = self._broken or "closed"
         # Drop every view so the mapping can close.
