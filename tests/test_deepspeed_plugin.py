@@ -1,5 +1,7 @@
 """The DeepSpeed adapter against stock DeepSpeed on the same ranks."""
 
+import json
+
 import pytest
 import torch
 
@@ -314,6 +316,11 @@ def test_zero3_overlap_auto_chooses_by_measurement_over_accumulated_steps_bit_eq
     for runs in run_ranks(_auto_overlap, 2, 3, 2, (), 2, rank_env=_env(0, 1), env=env, timeout=300):
         _assert_auto_overlap(runs, ot.WARMUP + 2 * ot.ROUNDS)
     assert len(list(tmp_path.iterdir())) == 2
+    # each choice is keyed by the model's full size, though ZeRO-3 leaves its parameters empty
+    from _overlap_trial import Layers
+
+    full = sum(p.numel() for p in Layers(compute_s=0.0).parameters())
+    assert {json.loads(f.read_text())["key"]["params"] for f in tmp_path.iterdir()} == {full}
 
 
 def _zero3_gathers(rank, world):

@@ -166,7 +166,9 @@ def _overlap_trial(backend, engine, ds_config: dict, stage: int):
     from ...core_comm.tuner.overlap import OverlapTrial
 
     params = [p for p in engine.module.parameters() if p.requires_grad]
-    key = {"stack": f"deepspeed-zero{stage}", "params": sum(p.numel() for p in params), "tensors": len(params),
+    # ZeRO-3's parameters are empty outside their gathers: their full size is ds_numel
+    key = {"stack": f"deepspeed-zero{stage}", "params": sum(getattr(p, "ds_numel", p.numel()) for p in params),
+           "tensors": len(params),
            "dtype": str(params[0].dtype) if params else "", "micro_batch": engine.train_micro_batch_size_per_gpu(),
            "accumulation": engine.gradient_accumulation_steps(),
            "buckets": ds_config.get("zero_optimization", {}).get("reduce_bucket_size"),
