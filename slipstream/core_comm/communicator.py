@@ -133,10 +133,7 @@ class Communicator:
         """The bytes this rank's fast paths keep from call to call: the node's shared segment,
         the chunks' arenas, the cross-memory-attach buffers, a lossy wire's residuals (0 where
         the group is stock)."""
-        parts = (self.shm, self.cma)
-        return (sum(p.held_bytes() for p in parts if p is not None)
-                + (self.hier.scratch.nbytes if self.hier is not None else 0)
-                + (self.wire.feedback.resident_bytes() if self.wire is not None else 0))
+        return sum(p.held_bytes() for p in (self.shm, self.cma, self.hier, self.wire) if p is not None)
 
     def algorithm(self, tensor: torch.Tensor, op=ReduceOp.SUM, kind: str = "all_reduce") -> tuple[str, str]:
         """``(algorithm, reason)`` this communicator uses for ``kind`` on ``tensor`` and ``op``."""

@@ -69,6 +69,10 @@ class Hierarchical:
         # local-index order: the rows one intra reduce-scatter gives out to the local ranks.
         self._node_rows = [_rows(topo.ranks_on(node_at[q])) for q in range(topo.num_nodes)]
 
+    def held_bytes(self) -> int:
+        """Its chunks' arenas."""
+        return self.scratch.nbytes
+
     def all_reduce(self, flat: torch.Tensor, op, chunk_bytes: int | None = None,
                    inter: InterTransport | None = None) -> None:
         """In place on a contiguous 1-D CPU tensor, in pipelined chunks of ``chunk_bytes``

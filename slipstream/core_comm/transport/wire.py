@@ -43,6 +43,10 @@ class WireInter:
         self.codec = CODECS[wire]
         self.feedback = feedback if feedback is not None else ErrorFeedback()
 
+    def held_bytes(self) -> int:
+        """The error feedback's residuals, kept from step to step."""
+        return self.feedback.resident_bytes()
+
     def payload_bytes(self, n: int) -> int:
         """Bytes on the link for ``n`` elements."""
         return self.codec.payload_bytes(n)

@@ -65,7 +65,7 @@ class OverlapTrial:
         self.choice: bool | None = None
         """The decision, once made (None: still in trial)."""
         trial = f"timed blocking and overlapped in turns ({WARMUP} untimed steps, then {ROUNDS} of each)"
-        cached = self._read_cache()
+        self._cached = cached = self._read_cache()  # taken at the first step if every rank has one
         self.pending = "auto (in trial)" if cached is None else "auto (cached)"
         """What the start line says of the mode before the first step decides or confirms it."""
         self.reason = (f"overlap auto: {what} {trial}" if cached is None else
@@ -140,7 +140,7 @@ class OverlapTrial:
 
     def _take_cached(self) -> bool:
         """The cached choice, where every rank has the same one (one all-reduce); else False."""
-        cached = self._read_cache()
+        cached = self._cached
         code = _CODES[None if cached is None else bool(cached["overlap"])]
         most, least = self._max_over_ranks([code, -code])
         if cached is None or most != -least:
