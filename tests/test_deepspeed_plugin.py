@@ -249,7 +249,8 @@ def _auto_overlap(rank, world, stage, gas, cases, layers):
         with slow_link(delay_s):
             engine, *_ = sds.initialize(model=model, model_parameters=model.parameters(), config=cfg)
             before = slipstream.status()["stacks"]["deepspeed"]["buckets_during_backward"]  # as the start line says
-            losses, sizes, in_trial = [], [], []
+            coordinator = engine.optimizer._get_param_coordinator() if stage == 3 else None
+            losses, sizes, in_trial, prefetch = [], [], [], []
             for step in range(steps * gas):
                 x, y = batch(rank, step)
                 loss = (engine(x) - y).pow(2).mean()
@@ -260,18 +261,36 @@ def _auto_overlap(rank, world, stage, gas, cases, layers):
                     sizes.append(engine.optimizer.reduce_bucket_size)
                     stack = slipstream.status()["stacks"]["deepspeed"]
                     in_trial.append(stack["buckets_during_backward"] == "auto (in trial)")
+                    if coordinator is not None:  # the next step's parameter prefetch, with its mode
+                        deferral = getattr(engine.optimizer.independent_gradient_partition_epilogue, "func", None)
+                        trial = getattr(getattr(deferral, "__self__", None), "trial", None)
+                        mode = trial.overlap if trial is not None else overlap
+                        prefetch.append((getattr(coordinator, PREFETCH_BUCKET), mode))
         facts = slipstream.status()["stacks"]["deepspeed"]
         weights = _full_weights(engine)
         uninstall()
         return {"losses": losses, "weights": weights, "overlap": facts["overlap"],
                 "during_backward": facts["buckets_during_backward"], "sizes": sizes, "in_trial": in_trial,
-                "before": before}
+                "before": before, "prefetch": prefetch, "prefetch_after": getattr(coordinator, PREFETCH_BUCKET, None)}
+
+    def forced_on_prefetch():
+        """The parameter prefetch bucket of ``"overlap": true`` (the tuner's)."""
+        cfg = _ds_config(stage, gas, {"enabled": True, "comm": {"timeout_s": 60, "overlap": True}}, bucket=layers * LAYER)
+        model = Layers(compute_s=0.0)
+        engine, *_ = sds.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        size = engine._config.zero_config.prefetch_bucket_size
+        uninstall()
+        return size
+
+    from slipstream.plugins.deepspeed.overlap import PREFETCH_BUCKET
 
     steps = ot.WARMUP + 2 * ot.ROUNDS + 1
     runs = {"slow link": train("auto", 0.08, steps), "fast link": train("auto", 0.0, steps, compute_s=0.25),
             "blocking": train(False, 0.0, steps)}
     if "cached" in cases:
         runs["cached"] = train("auto", 0.08, 3)
+    if stage == 3:
+        runs["slow link"]["forced_on_prefetch"] = forced_on_prefetch()
     blocking = runs["blocking"]["weights"]
     for run in runs.values():  # either mode reduces the same values in the same order
         n, weights = len(run["losses"]), run.pop("weights")
@@ -321,6 +340,20 @@ def test_zero3_overlap_auto_chooses_by_measurement_over_accumulated_steps_bit_eq
 
     full = sum(p.numel() for p in Layers(compute_s=0.0).parameters())
     assert {json.loads(f.read_text())["key"]["params"] for f in tmp_path.iterdir()} == {full}
+    # the parameter prefetch follows each step's mode: DeepSpeed's own in blocking steps (as
+    # "overlap": false has it), the tuner's (as "overlap": true has it) in overlapped ones
+    from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+
+    default = DeepSpeedZeroConfig(stage=3).prefetch_bucket_size
+    slow, fast = runs["slow link"], runs["fast link"]
+    tuned = slow["forced_on_prefetch"]
+    assert tuned < default
+    for run in (slow, fast, runs["blocking"]):
+        assert all(size == (tuned if mode else default) for size, mode in run["prefetch"]), run["prefetch"]
+        assert run["prefetch_after"] == default  # put back with the patches
+    trial_steps = ot.WARMUP + 2 * ot.ROUNDS - 1
+    assert {mode for _, mode in slow["prefetch"][:trial_steps]} == {True, False}, slow["prefetch"]
+    assert slow["prefetch"][-1] == (tuned, True) and fast["prefetch"][-1] == (default, False)
 
 
 def _zero3_gathers(rank, world):

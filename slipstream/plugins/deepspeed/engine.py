@@ -91,16 +91,14 @@ def _set_up(original, args, kwargs):
     ours = stays is None
     overlap = settings.comm.overlap
     stage = ds_config.get("zero_optimization", {}).get("stage", 0)
-    # "auto" trials ZeRO-2 and ZeRO-3 on a CPU step by step (their gradient buckets: DeepSpeed's
-    # size while blocking, the tuner's while overlapped); ZeRO-3's parameter prefetch bucket is
-    # set once, the tuner's in either mode; ZeRO-1 reduces after backward: it blocks
+    # "auto" trials ZeRO-2 and ZeRO-3 on a CPU step by step, each step in one mode's sizes:
+    # DeepSpeed's gradient buckets (and ZeRO-3's parameter prefetch) while blocking, as with
+    # "overlap": false, the tuner's while overlapped; ZeRO-1 reduces after backward: it blocks
     trial = ours and overlap == "auto" and _on_cpu() and stage in (2, 3)
     tuned = _recommended_buckets(backend, ds_config, True) if trial else {}  # the overlapped steps' sizes
     if ours and not trial:
         ds_config = bucket_defaults(ds_config, _recommended_buckets(backend, ds_config, overlap is True))
-    elif "stage3_prefetch_bucket_size" in tuned:
-        ds_config = bucket_defaults(ds_config, {"stage3_prefetch_bucket_size": tuned["stage3_prefetch_bucket_size"]})
-    overlap_bucket = _overlap_bucket(ds_config, tuned) if trial else None
+    overlap_bucket = _overlap_bucket(ds_config, tuned, "reduce_bucket_size") if trial else None
     apply_job_effects(settings, on_cpu=_on_cpu())
     if settings.varlen is not None:
         from ...core_compile import apply_varlen
@@ -126,7 +124,8 @@ def _set_up(original, args, kwargs):
     owners = ours and patch_zero_optimizer(engine.optimizer, overlap=overlap is True, trial=chooser,
                                            overlap_bucket=overlap_bucket)
     if ours and stage == 3 and (overlap is True or chooser is not None):
-        patch_zero3_optimizer(engine.optimizer, trial=chooser, overlap_bucket=overlap_bucket)
+        patch_zero3_optimizer(engine.optimizer, trial=chooser, overlap_bucket=overlap_bucket,
+                              overlap_prefetch=_overlap_bucket(ds_config, tuned, "stage3_prefetch_bucket_size"))
     overlapped = overlaps(engine.optimizer)
     if chooser is not None and not overlapped:
         chooser = None  # DeepSpeed's optimizer cannot defer its buckets here: they block
@@ -176,11 +175,12 @@ def _overlap_trial(backend, engine, ds_config: dict, stage: int):
     return OverlapTrial(f"ZeRO-{stage} gradient buckets", key, engine.optimizer.dp_process_group)
 
 
-def _overlap_bucket(ds_config: dict, tuned: dict) -> int | None:
-    """The gradient bucket of overlapped steps under ``"auto"``: the config's own, else the
-    tuner's (``tuned``: ``_recommended_buckets`` with overlap)."""
-    own = ds_config.get("zero_optimization", {}).get("reduce_bucket_size")
-    return own if own is not None else tuned.get("reduce_bucket_size")
+def _overlap_bucket(ds_config: dict, tuned: dict, name: str) -> int | None:
+    """ZeRO's bucket ``name`` (``reduce_bucket_size``, ``stage3_prefetch_bucket_size``) in
+    overlapped steps under ``"auto"``: the config's own, else the tuner's (``tuned``:
+    ``_recommended_buckets`` with overlap)."""
+    own = ds_config.get("zero_optimization", {}).get(name)
+    return own if own is not None else tuned.get(name)
 
 
 def _fixed_overlap(overlap, ours: bool, stage: int) -> str:

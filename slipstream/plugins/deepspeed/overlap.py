@@ -40,7 +40,7 @@ from ..._common.patch import patch, unpatch
 from ...core_comm.tuner.overlap import OverlapTrial
 from ...core_comm.work import InFlight
 
-__all__ = ["Deferred", "Deferred3", "IN_FLIGHT_BUCKETS", "OWNER", "STAGE3_PRIVATE", "stage3_name"]
+__all__ = ["Deferred", "Deferred3", "IN_FLIGHT_BUCKETS", "OWNER", "PREFETCH_BUCKET", "STAGE3_PRIVATE", "stage3_name"]
 
 OWNER = "deepspeed-zero"
 """The registry's owner of the ZeRO patches (``zero.py``'s and the deferrals' own)."""
@@ -195,10 +195,14 @@ class Deferred(_Spares):
 class Deferred3(_Spares):
     """The gradient buckets of one ZeRO-3 optimizer whose reduce-scatter is in flight."""
 
-    __slots__ = ("issued", "running_on")
+    __slots__ = ("issued", "running_on", "prefetch")
 
-    def __init__(self, trial: OverlapTrial | None = None, buckets: tuple[int, int] | None = None) -> None:
+    def __init__(self, trial: OverlapTrial | None = None, buckets: tuple[int, int] | None = None, *,
+                 prefetch: tuple[int, int] | None = None) -> None:
         super().__init__(trial, buckets)
+        self.prefetch = prefetch
+        """With a trial: the parameter prefetch bucket for (blocking, overlapped) steps, set on
+        DeepSpeed's coordinator with each step's mode (None: DeepSpeed's, unchanged)."""
         self.issued = 0
         """Buckets whose reduce-scatter was issued during backward."""
         self.running_on = 0
@@ -242,7 +246,9 @@ class Deferred3(_Spares):
             self.reduce_and_partition(optimizer, dtype)
         self.drain(optimizer)
         type(optimizer).independent_gradient_partition_epilogue(optimizer)
-        if self._backward_done(optimizer):
+        changed = self._backward_done(optimizer)
+        self.set_prefetch(optimizer)  # the next step's forward and backward gather in its mode
+        if changed:
             # DeepSpeed allocates ZeRO-3's bucket buffers once, at the size then: the next
             # step's, at the new size (every bucket is empty at the end of backward)
             for dtype, bucket in optimizer.ipg_buckets.items():
@@ -250,9 +256,18 @@ class Deferred3(_Spares):
                     bucket.buffer = torch.empty(optimizer.reduce_bucket_size, dtype=dtype,
                                                 device=bucket.buffer.device)
 
+    def set_prefetch(self, optimizer) -> None:
+        """The trial's current mode's prefetch bucket on DeepSpeed's coordinator."""
+        if self.prefetch is not None:
+            setattr(optimizer._get_param_coordinator(), PREFETCH_BUCKET, self.prefetch[self.trial.overlap])
+
     def _finish(self, optimizer, entry: dict) -> None:
         optimizer.partition_grads(entry["params"], entry["partitions"])
 
+
+PREFETCH_BUCKET = "_PartitionedParameterCoordinator__prefetch_bucket_sz"
+"""DeepSpeed's ZeRO-3 parameter prefetch bucket (elements), private to its coordinator and read
+at each fetch: what the overlap trial sets step by step."""
 
 STAGE3_PRIVATE = ("reduce_and_partition_ipg_grads",)
 """The private methods of DeepSpeed's ZeRO-3 optimizer that ``Deferred3`` calls or replaces."""

@@ -30,7 +30,7 @@ import weakref
 import torch
 
 from ..._common.patch import change, is_patched as _is_patched, patch, uninstall_all
-from .overlap import OWNER as _OWNER, STAGE3_PRIVATE, Deferred, Deferred3, stage3_name
+from .overlap import OWNER as _OWNER, PREFETCH_BUCKET, STAGE3_PRIVATE, Deferred, Deferred3, stage3_name
 
 __all__ = ["patch_zero_optimizer", "patch_zero3_optimizer", "unpatch_all", "is_patched", "overlaps", "owner_layout"]
 
@@ -157,12 +157,14 @@ def patch_zero_optimizer(optimizer, overlap: bool = False, trial=None, overlap_b
     return True
 
 
-def patch_zero3_optimizer(optimizer, trial=None, overlap_bucket: int | None = None) -> bool:
+def patch_zero3_optimizer(optimizer, trial=None, overlap_bucket: int | None = None,
+                          overlap_prefetch: int | None = None) -> bool:
     """Reduce-scatter ``optimizer``'s gradient buckets while backward goes on (``overlap.py``),
     or, given ``trial`` (an ``OverlapTrial``), in the mode it says step by step, with
-    ``overlap_bucket`` elements a bucket in overlapped steps (DeepSpeed's own size in blocking
-    ones); True when patched (DeepSpeed's own ZeRO-3 optimizer, not a subclass), False
-    otherwise. Idempotent."""
+    ``overlap_bucket`` elements a bucket and ``overlap_prefetch`` elements a parameter prefetch
+    in overlapped steps (DeepSpeed's own sizes in blocking ones, as with ``"overlap": false``);
+    True when patched (DeepSpeed's own ZeRO-3 optimizer, not a subclass), False otherwise.
+    Idempotent."""
     try:
         from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
     except ImportError:  # pragma: no cover - depends on the DeepSpeed version
@@ -171,7 +173,9 @@ def patch_zero3_optimizer(optimizer, trial=None, overlap_bucket: int | None = No
             or not all(hasattr(DeepSpeedZeroOptimizer_Stage3, n) for n in map(stage3_name, STAGE3_PRIVATE))
             or not all(hasattr(optimizer, n) for n in _DEFERRED3_NEEDS)):
         return False
-    deferred = Deferred3(*_trial_buckets(optimizer, trial, overlap_bucket))
+    deferred = Deferred3(*_trial_buckets(optimizer, trial, overlap_bucket),
+                         prefetch=_trial_prefetch(optimizer, trial, overlap_prefetch))
+    deferred.set_prefetch(optimizer)  # the first step's, in the trial's first mode
     patch(optimizer, _STAGE3_REDUCE, functools.partial(deferred.reduce_and_partition, optimizer), owner=_OWNER)
     patch(optimizer, "independent_gradient_partition_epilogue", functools.partial(deferred.epilogue, optimizer),
           owner=_OWNER)
@@ -190,6 +194,21 @@ def _trial_buckets(optimizer, trial, overlap_bucket: int | None) -> tuple:
            "by the overlap trial", lambda: ref() is not None and setattr(ref(), "reduce_bucket_size", size),
            owner=_OWNER, target=optimizer)
     return trial, (size, min(size, overlap_bucket or size))
+
+
+def _trial_prefetch(optimizer, trial, overlap_prefetch: int | None) -> tuple[int, int] | None:
+    """ZeRO-3's parameter prefetch bucket for (blocking, overlapped) steps of ``trial``:
+    DeepSpeed's own in blocking ones, ``overlap_prefetch`` in overlapped ones; None without a
+    trial, a size, or DeepSpeed's coordinator attribute. The size is put back with the patches."""
+    coordinator = getattr(optimizer, "_get_param_coordinator", lambda: None)()
+    if trial is None or overlap_prefetch is None or not hasattr(coordinator, PREFETCH_BUCKET):
+        return None
+    own = getattr(coordinator, PREFETCH_BUCKET)
+    ref = weakref.ref(coordinator)
+    change(("zero-prefetch", id(coordinator)), f"{type(coordinator).__name__}'s prefetch bucket, set per step "
+           "by the overlap trial", lambda: ref() is not None and setattr(ref(), PREFETCH_BUCKET, own),
+           owner=_OWNER, target=coordinator)
+    return own, int(overlap_prefetch)
 
 
 def overlaps(optimizer) -> bool:
