@@ -275,7 +275,8 @@ def _auto_overlap(rank, world, stage, gas, cases, layers):
 
     def forced_on_prefetch():
         """The parameter prefetch bucket of ``"overlap": true`` (the tuner's)."""
-        cfg = _ds_config(stage, gas, {"enabled": True, "comm": {"timeout_s": 60, "overlap": True}}, bucket=layers * LAYER)
+        section = {"enabled": True, "comm": {"timeout_s": 60, "overlap": True}}
+        cfg = _ds_config(stage, gas, section, bucket=layers * LAYER)
         model = Layers(compute_s=0.0)
         engine, *_ = sds.initialize(model=model, model_parameters=model.parameters(), config=cfg)
         size = engine._config.zero_config.prefetch_bucket_size
