@@ -159,20 +159,23 @@ def _set_up(original, args, kwargs):
 
 
 def _overlap_trial(backend, engine, ds_config: dict, stage: int):
-    """The ``OverlapTrial`` of a ZeRO-2 engine on a CPU, keyed by what its steps' times depend
-    on: the model, the batch, the ZeRO stage and dtype, the group's layout."""
+    """The ``OverlapTrial`` of a ZeRO-2/3 engine on a CPU, keyed by what its steps' times depend
+    on: the model, the batch, the ZeRO stage and dtype, the buckets set, the group's layout."""
     from ...core_comm.tuner import TuneKey
     from ...core_comm.tuner.overlap import OverlapTrial
 
     params = [p for p in engine.module.parameters() if p.requires_grad]
     # ZeRO-3's parameters are empty outside their gathers: their full size is ds_numel
+    zero = ds_config.get("zero_optimization", {})
     key = {"stack": f"deepspeed-zero{stage}", "params": sum(getattr(p, "ds_numel", p.numel()) for p in params),
            "tensors": len(params),
            "dtype": str(params[0].dtype) if params else "", "micro_batch": engine.train_micro_batch_size_per_gpu(),
-           "accumulation": engine.gradient_accumulation_steps(),
-           "buckets": ds_config.get("zero_optimization", {}).get("reduce_bucket_size"),
+           "accumulation": engine.gradient_accumulation_steps(), "buckets": zero.get("reduce_bucket_size"),
            "layout": TuneKey.of(backend.communicator(None)).filename()}
-    return OverlapTrial(f"ZeRO-{stage} gradient buckets", key, engine.optimizer.dp_process_group)
+    if stage == 3:  # its blocking steps prefetch in this bucket (None: DeepSpeed's)
+        key["prefetch"] = zero.get("stage3_prefetch_bucket_size")
+    what = "ZeRO-3 parameter prefetch and gradient buckets" if stage == 3 else f"ZeRO-{stage} gradient buckets"
+    return OverlapTrial(what, key, engine.optimizer.dp_process_group)
 
 
 def _overlap_bucket(ds_config: dict, tuned: dict, name: str) -> int | None:
