@@ -243,11 +243,18 @@ def test_topology_keys_prefer_override_and_reject_cross_host_nodes():
     assert not Topology((0, 0, 0, 1), 0).is_uniform
 
 
-def test_an_all_reduce_across_nodes_is_chunked_by_a_quarter_rounded_down_to_a_power_of_two():
+def test_a_collective_across_nodes_is_chunked_by_a_quarter_rounded_down_to_a_power_of_two():
     """So that a chunk's temporaries come in a few sizes, which the path's arenas reach early;
-    never below the configured chunk, and a chunk the tuner chose is kept."""
+    never below the configured chunk, and a chunk the tuner chose is kept. A reduce-scatter's
+    or allgather's quarter (of its larger buffer) stops at ``RESIZE_CHUNK_MOST``."""
     class Path:
         def all_reduce(self, flat, op, chunk_bytes, inter):
+            seen.append(chunk_bytes)
+
+        def reduce_scatter(self, out, inp, op, chunk_bytes, valid, inter):
+            seen.append(chunk_bytes)
+
+        def all_gather(self, out, inp, chunk_bytes, inter):
             seen.append(chunk_bytes)
 
     comm = Communicator.__new__(Communicator)
@@ -259,6 +266,16 @@ def test_an_all_reduce_across_nodes_is_chunked_by_a_quarter_rounded_down_to_a_po
     assert [c >> 20 for c in seen] == [4, 4, 4, 4, 8, 8, 8, 16, 16]
     comm._cpu_all_reduce(torch.empty(1 << 20), dist.ReduceOp.SUM, 3 << 20)
     assert seen[-1] == 3 << 20
+    seen.clear()
+    world = 4
+    for nbytes in [1 << 20, 32 << 20, 64 << 20, 128 << 20, 512 << 20]:
+        n = nbytes // 4 // world
+        comm._resize("reduce_scatter", "hierarchical", torch.empty(n), torch.empty(world * n), dist.ReduceOp.SUM)
+        comm._resize("all_gather", "hierarchical", torch.empty(world * n), torch.empty(n), None)
+    assert [c >> 20 for c in seen] == [4, 4, 8, 8, 16, 16, 16, 16, 16, 16]
+    comm.config = CommConfig(chunk_bytes=64 << 20)  # the configured chunk is the least, past the most
+    comm._resize("all_gather", "hierarchical", torch.empty(world), torch.empty(1), None)
+    assert seen[-1] == 64 << 20
 
 
 def _settings_warnings(rank, world):

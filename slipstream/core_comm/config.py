@@ -33,7 +33,8 @@ class CommConfig(Settings):
     """Up to this size an allreduce takes the one-synchronisation (latency) path."""
     chunk_bytes: int = 4 << 20
     """Chunk of the hierarchical pipeline (and of CUDA staging); an allreduce of more than four
-    chunks, with no tuner plan for its size, takes a quarter of the message per chunk."""
+    chunks, with no tuner plan for its size, takes a quarter of the message per chunk, a
+    reduce-scatter or allgather a quarter of its larger buffer up to 16 MiB."""
     connections: int = 1
     """TCP connections per inter-node peer (1-16). 1 uses the group's own backend (gloo);
     more split each inter-node message across that many connections (``transport/tcp.py``)."""
