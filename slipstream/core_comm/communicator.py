@@ -39,8 +39,9 @@ __all__ = ["Communicator"]
 log = logging.getLogger("slipstream.comm")
 ReduceOp = dist.ReduceOp
 RESIZE_CHUNK_MOST = 16 << 20
-"""The largest chunk a reduce-scatter or allgather takes (a quarter of its larger buffer up to
-it): larger ones gained no more and take more memory (3 chunks in flight, kept in arenas)."""
+"""The most a reduce-scatter's or allgather's chunk takes. 256 MiB on 2x2 emulated nodes at 1
+Gbit/s: 64-66% of the link's rate against 51-56% in 4 MiB chunks; 32 MiB chunks were no faster
+and take twice the arenas (3 chunks in flight; benchmarks/results/chunks_*.md)."""
 
 
 class Communicator:
@@ -338,18 +339,13 @@ class Communicator:
         if self.hier is None:
             self._intra("all_reduce", nbytes).all_reduce(flat, op)
             return
-        if chunk_bytes is None:
-            # 64 MiB on 2x2 emulated nodes at 1 Gbit/s: 16 MiB chunks 814-874 ms, 4 MiB
-            # 992-1025 ms, 1 MiB 994-1108 ms (benchmarks/results/comm_*.md).
-            chunk_bytes = self._quarter(nbytes)
-        self.hier.all_reduce(flat, op, chunk_bytes=chunk_bytes, inter=lossy)
+        # 64 MiB on 2x2 emulated nodes at 1 Gbit/s: 16 MiB chunks 814-874 ms, 4 MiB 992-1025 ms
+        self.hier.all_reduce(flat, op, chunk_bytes=chunk_bytes or self._quarter(nbytes), inter=lossy)
 
     def _quarter(self, nbytes: int, most: int | None = None) -> int:
-        """The hierarchical pipeline's chunk for a message of ``nbytes``: a quarter of it, at
-        most ``most``, never less than ``chunk_bytes``. Each chunk costs a synchronisation of
-        every rank, which under the default scheduler (4 ranks and the link's network work on 2
-        cores) waits for a rank to be scheduled; 16 MiB messages keep 4 MiB chunks. Rounded
-        down to a power of two: chunks of few sizes, which the arenas reach early."""
+        """A quarter of ``nbytes``, at most ``most``, never less than ``chunk_bytes``: each chunk
+        syncs every rank, which under the default scheduler (4 ranks and the link's network work
+        on 2 cores) waits for a rank to be scheduled. A power of two: few sizes for the arenas."""
         quarter = 1 << max(0, (nbytes // 4).bit_length() - 1)
         return max(self.config.chunk_bytes, quarter if most is None else min(quarter, most))
 
@@ -387,9 +383,6 @@ class Communicator:
             _invoke(self._intra(kind, big), kind, output, input, op)
         else:
             out = output if output.is_contiguous() else torch.empty_like(output)
-            # Reduce-scatter and allgather of 64 and 256 MiB on 2x2 emulated nodes at 1 Gbit/s:
-            # 4 MiB chunks 52-57% of the link's rate, 16 MiB 61-66%, 32 MiB 61-69% (as much, with
-            # twice the arenas), 64 MiB 48-65% (benchmarks/results/chunks_*.md).
             chunk = self._quarter(max(input.numel(), output.numel()) * input.element_size(), RESIZE_CHUNK_MOST)
             if kind == "reduce_scatter":
                 self.hier.reduce_scatter(out.view(-1), input.reshape(-1), op, chunk, valid=valid, inter=lossy)
