@@ -371,6 +371,7 @@ class Communicator:
             op, factor = split_op(op)
             if factor is not None:  # the caller's input stays as it was, as with NCCL
                 input = input * factor
+        big = max(input.numel(), output.numel()) * input.element_size()  # bytes of the larger buffer
         if algo == "local":
             output.copy_(input.view_as(output))
         elif algo == "staged":
@@ -379,11 +380,10 @@ class Communicator:
             self._resize(kind, cpu_algo, host_out, self._stager(input.device).to_host(input), op, valid, lossy)
             output.copy_(host_out)
         elif algo == "shm":
-            big = max(input.numel(), output.numel()) * input.element_size()
             _invoke(self._intra(kind, big), kind, output, input, op)
         else:
             out = output if output.is_contiguous() else torch.empty_like(output)
-            chunk = self._quarter(max(input.numel(), output.numel()) * input.element_size(), RESIZE_CHUNK_MOST)
+            chunk = self._quarter(big, RESIZE_CHUNK_MOST)
             if kind == "reduce_scatter":
                 self.hier.reduce_scatter(out.view(-1), input.reshape(-1), op, chunk, valid=valid, inter=lossy)
             else:
