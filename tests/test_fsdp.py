@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from _adam import assert_close_through_adam
 from _dist import from_bytes as _load, run_ranks, to_bytes as _bytes
+from slipstream.plugins.fsdp.overlap import param_groups
 
 pytest.importorskip("torch.distributed.fsdp")
 
@@ -114,6 +115,18 @@ def _module_without_fsdp(rank, world):
 
 def test_apply_to_a_model_without_fully_shard_says_so():
     assert run_ranks(_module_without_fsdp, 2, timeout=60) == [True, True]
+
+
+def test_param_groups_reads_either_torch_spelling_of_an_fsdp2_state():
+    """torch 2.13 keeps a list of parameter groups, torch 2.11 one group or None (found on a
+    GPU machine's torch 2.11, where ``apply`` raised AttributeError)."""
+    from types import SimpleNamespace
+
+    one, two = object(), object()
+    assert param_groups(SimpleNamespace(_fsdp_param_groups=[one, two])) == [one, two]
+    assert param_groups(SimpleNamespace(_fsdp_param_groups=[])) == []
+    assert param_groups(SimpleNamespace(_fsdp_param_group=one)) == [one]
+    assert param_groups(SimpleNamespace(_fsdp_param_group=None)) == []
 
 
 @pytest.mark.slow
@@ -329,7 +342,7 @@ def _overlap_against_blocking(rank, world, hsdp):
         if overlap == "reductions only":
             for module in model.modules():
                 if hasattr(module, "_get_fsdp_state"):
-                    for group in module._get_fsdp_state()._fsdp_param_groups:
+                    for group in param_groups(module._get_fsdp_state()):
                         group.unshard_async_op = False
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         gen = torch.Generator().manual_seed(rank)

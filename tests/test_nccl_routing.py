@@ -18,6 +18,7 @@ import torch.distributed as dist
 from _dist import run_ranks
 from slipstream.core_comm import CommConfig, Work
 from slipstream.core_comm.routing import decide
+from slipstream.plugins.fsdp.overlap import param_groups
 
 ReduceOp = dist.ReduceOp
 
@@ -430,7 +431,7 @@ def _fsdp2_left_alone(rank, world):
     stock = train(build())
     _stand_in_nccl()
     model = build()
-    groups = [g for m in model.modules() if hasattr(m, "_get_fsdp_state") for g in m._get_fsdp_state()._fsdp_param_groups]
+    groups = [g for m in model.modules() if hasattr(m, "_get_fsdp_state") for g in param_groups(m._get_fsdp_state())]
     comms = [(g._all_gather_comm, g._reduce_scatter_comm, g.unshard_async_op) for g in groups]
     switched = fsdp.apply(model, config=CommConfig(overlap=True))
     after = [(g._all_gather_comm, g._reduce_scatter_comm, g.unshard_async_op) for g in groups]

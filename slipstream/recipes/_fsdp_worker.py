@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from ..cluster.worker import add_flags, cores_per_rank, run_worker
 from ..core_compile import step_loss
+from ..plugins.fsdp.overlap import param_groups
 from ..plugins.fsdp.translate import grad_reduction
 from .comm_timer import CommTimer, Timed
 from .training import add_options, prepare, summary, train_steps
@@ -87,7 +88,7 @@ def _time_comms(model, timer: CommTimer) -> None:
     _fsdp_collectives.dist = Timed(_fsdp_collectives.dist, timer, ops=("all_reduce",))
     for module in model.modules():
         if isinstance(module, FSDPModule):
-            for group in module._get_fsdp_state()._fsdp_param_groups:
+            for group in param_groups(module._get_fsdp_state()):
                 for attr, name in (("_all_gather_comm", "all_gather"), ("_reduce_scatter_comm", "reduce_scatter")):
                     setattr(group, attr, Timed(getattr(group, attr), timer, call=name, wait_suffix=".wait"))
 

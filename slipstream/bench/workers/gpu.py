@@ -11,6 +11,7 @@ subprocesses a stage started are stopped on the way out.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import platform
 import re
@@ -182,9 +183,11 @@ def pytest_stage(ctx: dict, rows: Rows, deadline: float) -> dict:
         return {}
     paths = sorted(str(p) for p in tests.glob("test_gpu_*.py")) if ctx["dry_run"] else [str(tests)]
     log, limit = Path(ctx["workdir"]) / "pytest.log", _left(deadline)
+    # one test's compile (flex's) must not take the stage's whole time: each test gets a third of it
+    each = ["--timeout", str(max(30, int(limit / 3)))] if importlib.util.find_spec("pytest_timeout") else []
     with open(log, "w") as f:
         proc = subprocess.Popen([sys.executable, "-m", "pytest", "-v", "-m", "gpu", "-rfE", "-p", "no:cacheprovider",
-                                 *paths], cwd=ctx["repo"], stdout=f, stderr=subprocess.STDOUT)
+                                 *each, *paths], cwd=ctx["repo"], stdout=f, stderr=subprocess.STDOUT)
         try:
             code = proc.wait(timeout=limit)
         except subprocess.TimeoutExpired:

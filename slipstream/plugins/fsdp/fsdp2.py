@@ -112,7 +112,7 @@ def apply(model: torch.nn.Module, config: CommConfig | None = None) -> list[str]
         if _ORIGINALS in vars(module):
             switched.append(label)
             continue
-        groups = module._get_fsdp_state()._fsdp_param_groups
+        groups = _overlap.param_groups(module._get_fsdp_state())
         if len(groups) > 1:
             warn_once(f"FSDP module {label!r} has {len(groups)} parameter groups (a per-parameter mesh): "
                       "torch's custom-comm hook refuses it, so its collectives stay stock")
@@ -176,7 +176,7 @@ def _stays_stock(state, config: CommConfig | None) -> str | None:
     """Why a module keeps FSDP2's own comms (``state``: its FSDP state): the routing decision
     for its device on its parameter groups' shard and replica groups (a module without
     parameters of its own: the default group) leaves their calls there (CUDA on NCCL), or None."""
-    groups = state._fsdp_param_groups
+    groups = _overlap.param_groups(state)
     if not groups:
         return pool.decide(None, state._device.type, torch.float32, config=config)
     for g in groups:
@@ -200,8 +200,8 @@ def remove(model: torch.nn.Module) -> None:
         if before is None:
             continue
         if _OVERLAPPED in vars(module):
-            _overlap.release(module._get_fsdp_state()._fsdp_param_groups, vars(module).pop(_OVERLAPPED))
-        for group, (gather, scatter) in zip(module._get_fsdp_state()._fsdp_param_groups, before):
+            _overlap.release(_overlap.param_groups(module._get_fsdp_state()), vars(module).pop(_OVERLAPPED))
+        for group, (gather, scatter) in zip(_overlap.param_groups(module._get_fsdp_state()), before):
             group._all_gather_comm, group._reduce_scatter_comm = gather, scatter
             replicate = getattr(group.mesh_info, "replicate_process_group", None)
             if replicate is not None:

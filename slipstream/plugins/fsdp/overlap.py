@@ -36,7 +36,18 @@ from ..._common.patch import patch, unpatch
 from ...core_comm.tuner.overlap import OverlapTrial
 from ...core_comm.work import InFlight
 
-__all__ = ["Deferral", "engage", "release"]
+__all__ = ["Deferral", "engage", "param_groups", "release"]
+
+
+def param_groups(state) -> list:
+    """The parameter groups of an FSDP2 module's state (``module._get_fsdp_state()``): torch
+    2.13 keeps a list (``_fsdp_param_groups``), torch 2.11 one group or None
+    (``_fsdp_param_group``)."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = getattr(state, "_fsdp_param_group", None)
+    return [] if group is None else [group]
 
 
 class Deferral:
@@ -167,7 +178,7 @@ def _draining(original):
     @functools.wraps(original)
     def final_callback(self, *args, **kwargs):
         states = getattr(getattr(self, "_state_ctx", None), "all_states", None) or [self]
-        deferrals = _deferrals(g for state in states for g in state._fsdp_param_groups)
+        deferrals = _deferrals(g for state in states for g in param_groups(state))
         try:
             original(self, *args, **kwargs)
         except BaseException:
