@@ -30,6 +30,7 @@ every collective exits 0.
 """
 
 import faulthandler
+import importlib
 import os
 import signal
 import sys
@@ -95,9 +96,7 @@ def main(case: str) -> int:
     victim = rank == int(os.environ.get("FAULT_VICTIM", "1"))
     op = os.environ.get("FAULT_OP", "all_reduce")
     # Every rank is past init_process_group (whose own failures are torch's) before any fault.
-    store = dist.distributed_c10d._get_default_store()
-    store.set(f"fault-ready/{rank}", "1")
-    store.wait([f"fault-ready/{r}" for r in range(world)], timedelta(seconds=60))
+    _all_ready("fault-ready", rank, world)
     if victim and case == "before_first":
         _fault_now()
         os._exit(3)
@@ -138,8 +137,23 @@ def main(case: str) -> int:
     return 0
 
 
+def _all_ready(tag: str, rank: int, world: int) -> None:
+    """Wait, on the store (60 s, not the group's short timeout), until every rank got here."""
+    store = dist.distributed_c10d._get_default_store()
+    store.set(f"{tag}/{rank}", "1")
+    store.wait([f"{tag}/{r}" for r in range(world)], timedelta(seconds=60))
+
+
+_FRAMEWORK = {"deepspeed": "deepspeed", "deepspeed3": "deepspeed", "fsdp": "torch.distributed.fsdp",
+              "megatron": "megatron.core"}
+
+
 def _train(stack: str, victim: bool) -> int:
-    """Steps of ``stack`` (``_stack_steps.py``); the victim exits 50 ms into step 4."""
+    """Steps of ``stack`` (``_stack_steps.py``); the victim exits 50 ms into step 4. Every rank
+    imports the framework, then waits for the others: the set-up's first collective (ZeRO-3's
+    broadcast) must not wait past the group's 5 s timeout for a rank still importing."""
+    importlib.import_module(_FRAMEWORK[stack])
+    _all_ready("stack-ready", dist.get_rank(), dist.get_world_size())
     try:
         step = make_step(stack)
         for i in range(200):
