@@ -3,6 +3,7 @@ harness turns a stage that fails or hangs into a FAILED row while the later stag
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import sys
 import time
@@ -34,6 +35,7 @@ def test_dry_run_reports_a_real_result_for_every_stage(tmp_path):
     assert varlen["parameters"] == varlen["runs"]["sdpa"]["parameters"] == parameters("llama-gqa-tiny")
     assert results["compile"][0].startswith("chose ")
     assert "skipped" in results["pytest"][0] and "failed" not in results["pytest"][0]
+    assert "passed" in results["suite"][0] and "failed" not in results["suite"][0]
     report = out.read_text()
     assert report.startswith("# `slipstream bench gpu` on a CPU dry run")
     head = report.index("| stage | case | result | details |")
@@ -98,3 +100,21 @@ def test_device_tag_is_the_gpu_model_in_lower_case():
     assert device_tag("NVIDIA GeForce RTX 4090") == "rtx4090"
     assert device_tag("NVIDIA H200") == "h200"
 
+
+def test_a_pytest_stage_row_names_each_failed_test_with_its_error(tmp_path):
+    """The GPU machine is lent for minutes: a failure's error must be in the report, not only
+    the test's name (a run of real pytest on a generated file, serial and under xdist)."""
+    from slipstream.bench.workers.gpu import Rows, _pytest
+
+    (tmp_path / "tests").mkdir()
+    case_file = tmp_path / "tests" / "test_made.py"
+    case_file.write_text("def test_fine():\n    pass\n\n\ndef test_broken():\n"
+                         "    raise AttributeError('no attribute _fsdp_param_groups')\n")
+    ctx = {"repo": str(tmp_path), "workdir": str(tmp_path)}
+    for extra in ([], ["-n", "2"]) if importlib.util.find_spec("xdist") else ([],):
+        rows_path = tmp_path / f"rows{len(extra)}.jsonl"
+        out = _pytest(ctx, Rows(str(rows_path)), time.monotonic() + 120, "made", [*extra, str(case_file)])
+        (row,) = [json.loads(line) for line in rows_path.read_text().splitlines()]
+        assert out["returncode"] == 1 and out["failed"] == ["test_made.py::test_broken"], (extra, out)
+        assert "1 failed, 1 passed" in row["result"], row
+        assert "test_made.py::test_broken: AttributeError: no attribute _fsdp_param_groups" in row["detail"], row

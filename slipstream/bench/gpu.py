@@ -1,4 +1,4 @@
-"""``slipstream bench gpu``: the GPU check in one command, within 8 minutes (``--time-limit``).
+"""``slipstream bench gpu``: the GPU check in one command, within 9 minutes (``--time-limit``).
 
 Stages, each in a process of its own (``workers/gpu.py``) under its own timeout; one that
 fails or times out is a FAILED row with its reason, and the stages after it still run. The
@@ -21,7 +21,10 @@ table (one row per stage and case), what failed, the machine and versions, the c
    compiled flex) vs Hugging Face's flattening (``workers/gpu_varlen.py``).
 5. ``compile``: ``bench compile`` on that model with varlen, told its run length: the whole
    run with compile on against eager, and the strategy chosen.
-6. ``pytest``: ``pytest -m gpu`` over the repository's tests, its summary line.
+6. ``pytest``: ``pytest -m gpu`` over the repository's tests, its summary line and each failed
+   test with its error.
+7. ``suite``: the CPU tests that reach into the frameworks' internals (``workers/gpu.SUITE_FILES``),
+   CUDA hidden, on the machine's own torch and transformers, several at a time.
 
 A stage's time is its share of ``--time-limit`` (``Stage.seconds``, scaled down when the limit
 is shorter) plus what the stages before it left unused, so the whole run stays within the
@@ -56,8 +59,8 @@ class Stage:
     """``workers/gpu.py``'s stage of that name."""
     title: str
     seconds: float
-    """Its time on the GPU, before any scaling or time left over: they add up to 470 s, 10 s
-    short of 8 minutes for the command's own start and its last stage's stop."""
+    """Its time on the GPU, before any scaling or time left over: they add up to 530 s, 10 s
+    short of 9 minutes for the command's own start and its last stage's stop."""
     command: tuple[str, ...] = ()
     """The process to run instead of ``workers/gpu.py`` (a stand-in, for the tests); it gets
     the same ``--stage``, ``--ctx``, ``--rows`` and ``--out`` arguments."""
@@ -70,6 +73,7 @@ STAGES = (
     Stage("varlen", "4. varlen step", 110),
     Stage("compile", "5. compile told its run length", 95),
     Stage("pytest", "6. pytest -m gpu", 130),
+    Stage("suite", "7. CPU tests on this machine's torch", 60),
 )
 
 _KILL_GRACE_S = 5.0
@@ -100,7 +104,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="every stage on the CPU at toy sizes (what the test suite runs)")
     parser.add_argument("--out", help="the report (default benchmarks/results/gpu_<device>_<date>.md)")
     parser.add_argument("--json", help="write every stage's rows and records here")
-    parser.add_argument("--time-limit", type=float, default=470.0, help="seconds for all stages (default 470)")
+    parser.add_argument("--time-limit", type=float, default=530.0, help="seconds for all stages (default 530)")
     parser.add_argument("--stages", default=",".join(s.name for s in STAGES),
                         help=f"comma-separated, of {', '.join(s.name for s in STAGES)} (default all)")
     parser.add_argument("--batch-size", type=int, help="varlen samples per step (default 64; dry run 3)")
@@ -255,7 +259,7 @@ def _command(args: argparse.Namespace) -> str:
     parts = ["slipstream bench gpu"] + (["--dry-run"] if args.dry_run else [])
     for name in ("time_limit", "stages", "batch_size", "steps", "comm_size", "compile_steps", "out", "json"):
         value = getattr(args, name)
-        default = {"time_limit": 470.0, "stages": ",".join(s.name for s in STAGES)}.get(name)
+        default = {"time_limit": 530.0, "stages": ",".join(s.name for s in STAGES)}.get(name)
         if value is not None and value != default:
             parts += ["--" + name.replace("_", "-"), f"{value:g}" if isinstance(value, float) else str(value)]
     return " ".join(parts)

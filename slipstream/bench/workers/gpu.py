@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import platform
 import re
 import signal
@@ -173,21 +174,47 @@ def compile_stage(ctx: dict, rows: Rows, deadline: float) -> dict:
     return r
 
 
+SUITE_FILES = ("test_backend.py", "test_communicator.py", "test_ddp.py", "test_deepspeed_plugin.py",
+               "test_enable.py", "test_fsdp.py", "test_hierarchical.py", "test_nccl_routing.py", "test_varlen.py")
+"""The CPU tests the ``suite`` stage runs on the GPU machine's own torch and transformers: those
+that reach into torch's, DeepSpeed's and transformers' internals (the suite is tested on one
+torch; a GPU image often holds another)."""
+
+
 def pytest_stage(ctx: dict, rows: Rows, deadline: float) -> dict:
     """``pytest -m gpu`` in the repository (on a dry run, the ``tests/test_gpu_*.py`` files): its
-    summary line and the failed tests; past the stage's time, what ran and the test it stopped in."""
+    summary line and the failed tests with their errors; past the stage's time, what ran and the
+    test it stopped in."""
     tests = Path(ctx["repo"]) / "tests"
-    case = "pytest -m gpu" + (" (tests/test_gpu_*.py)" if ctx["dry_run"] else "")
-    if not tests.is_dir():
-        rows.add(case, "FAILED", f"no tests directory at {tests} (an installed copy, not a checkout)")
-        return {}
     paths = sorted(str(p) for p in tests.glob("test_gpu_*.py")) if ctx["dry_run"] else [str(tests)]
-    log, limit = Path(ctx["workdir"]) / "pytest.log", _left(deadline)
+    case = "pytest -m gpu" + (" (tests/test_gpu_*.py)" if ctx["dry_run"] else "")
+    return _pytest(ctx, rows, deadline, case, ["-m", "gpu", *paths])
+
+
+def suite_stage(ctx: dict, rows: Rows, deadline: float) -> dict:
+    """``SUITE_FILES`` of the CPU tests, CUDA hidden, on this machine's torch, several at a time
+    where pytest-xdist is installed (on a dry run: ``test_enable.py`` alone, one at a time)."""
+    tests = Path(ctx["repo"]) / "tests"
+    files = ("test_enable.py",) if ctx["dry_run"] else SUITE_FILES
+    workers = 0 if ctx["dry_run"] or not importlib.util.find_spec("xdist") else min(8, (os.cpu_count() or 2) // 2)
+    case = f"CPU tests, CUDA hidden ({len(files)} files" + (f", {workers} at a time)" if workers else ")")
+    return _pytest(ctx, rows, deadline, case, ["-m", "not gpu", *(["-n", str(workers)] if workers else []),
+                                               *(str(tests / f) for f in files)], env={"CUDA_VISIBLE_DEVICES": ""})
+
+
+def _pytest(ctx: dict, rows: Rows, deadline: float, case: str, args: list, env: dict | None = None) -> dict:
+    """Run pytest with ``args`` in the repository within the stage's time: one row, its summary
+    and each failed test with its error (pytest's short summary)."""
+    if not (Path(ctx["repo"]) / "tests").is_dir():
+        rows.add(case, "FAILED", f"no tests directory in {ctx['repo']} (an installed copy, not a checkout)")
+        return {}
+    log, limit = Path(ctx["workdir"]) / f"pytest-{re.sub(r'[^a-z]+', '-', case.lower())[:40]}.log", _left(deadline)
     # one test's compile (flex's) must not take the stage's whole time: each test gets a third of it
     each = ["--timeout", str(max(30, int(limit / 3)))] if importlib.util.find_spec("pytest_timeout") else []
     with open(log, "w") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "pytest", "-v", "-m", "gpu", "-rfE", "-p", "no:cacheprovider",
-                                 *each, *paths], cwd=ctx["repo"], stdout=f, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen([sys.executable, "-m", "pytest", "-v", "-rfE", "-p", "no:cacheprovider", *each, *args],
+                                cwd=ctx["repo"], stdout=f, stderr=subprocess.STDOUT,
+                                env={**os.environ, "COLUMNS": "300", **(env or {})})
         try:
             code = proc.wait(timeout=limit)
         except subprocess.TimeoutExpired:
@@ -196,20 +223,41 @@ def pytest_stage(ctx: dict, rows: Rows, deadline: float) -> dict:
             code = None
     text = log.read_text(errors="replace")
     sys.stdout.write(text[-20000:])
-    ran = re.findall(r"^(\S+::\S+) (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)", text, re.M)
-    failed = [test.split("/")[-1] for test, outcome in ran if outcome in ("FAILED", "ERROR")]
+    failed = _failures(text)
+    said = "; ".join(f"{name}: {why}" if why else name for name, why in failed.items())
     if code is None:
-        counts = ", ".join(f"{n} {o.lower()}" for o, n in sorted(Counter(o for _, o in ran).items()))
+        counts = ", ".join(f"{n} {o.lower()}" for o, n in sorted(Counter(o for _, o in _outcomes(text)).items()))
         stuck = re.findall(r"^(\S+::\S+) *$", text, re.M)
         rows.add(case, "FAILED", f"timed out after {limit:.0f} s; so far {counts or 'nothing'}"
-                                 + (f"; stopped in {stuck[-1]}" if stuck else "") + (f"; failed: {', '.join(failed)}"
-                                                                                      if failed else ""))
-        return {"returncode": None, "failed": failed}
+                 + (f"; stopped in {stuck[-1]}" if stuck else "") + (f"; failed: {said}" if said else ""))
+        return {"returncode": None, "failed": list(failed)}
     summary = next((line.strip("= ") for line in reversed(text.splitlines())
                     if re.search(r"\d+ (passed|failed|skipped|deselected|errors?)|no tests ran", line)),
                    f"exit code {code}, no summary line")
-    rows.add(case, summary, ", ".join(failed))
-    return {"returncode": code, "summary": summary, "failed": failed}
+    rows.add(case, summary, said)
+    return {"returncode": code, "summary": summary, "failed": list(failed)}
+
+
+_OUTCOME = "PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS"
+
+
+def _outcomes(text: str) -> list[tuple[str, str]]:
+    """(test, outcome) of each test ``pytest -v`` reported: ``path::test OUTCOME`` serially,
+    ``[gw0] [ 5%] OUTCOME path::test`` under pytest-xdist."""
+    return (re.findall(rf"^(\S+::\S+) ({_OUTCOME})", text, re.M)
+            + [(t, o) for o, t in re.findall(rf"^\[gw\d+\] \[ *\d+%\] ({_OUTCOME}) (\S+::\S+)", text, re.M)])
+
+
+def _failures(text: str) -> dict[str, str]:
+    """Each failed test (file::name) and its error, from pytest's short summary (``-rfE``); a
+    failed test that the summary did not reach (a run cut short) with no error."""
+    found = {}
+    for test, outcome in _outcomes(text):
+        if outcome in ("FAILED", "ERROR"):
+            found.setdefault(test.split("/")[-1], "")
+    for test, why in re.findall(r"^(?:FAILED|ERROR) (\S+::\S+)(?: - (.*))?$", text, re.M):
+        found[test.split("/")[-1]] = (why or "").strip()[:200]
+    return found
 
 
 def varlen(ctx: dict, rows: Rows, deadline: float) -> dict:
@@ -219,7 +267,7 @@ def varlen(ctx: dict, rows: Rows, deadline: float) -> dict:
 
 
 STAGES = {"versions": versions, "probe": probe, "comm": comm, "varlen": varlen, "compile": compile_stage,
-          "pytest": pytest_stage}
+          "pytest": pytest_stage, "suite": suite_stage}
 
 
 def _interrupted(signum, frame) -> None:
