@@ -118,3 +118,23 @@ def test_a_pytest_stage_row_names_each_failed_test_with_its_error(tmp_path):
         assert out["returncode"] == 1 and out["failed"] == ["test_made.py::test_broken"], (extra, out)
         assert "1 failed, 1 passed" in row["result"], row
         assert "test_made.py::test_broken: AttributeError: no attribute _fsdp_param_groups" in row["detail"], row
+
+
+def test_a_pytest_stage_past_its_time_still_names_the_errors_so_far(tmp_path):
+    """Past the stage's time pytest is interrupted (SIGINT) and its short summary read: the
+    error of a test that failed before the one it stopped in is in the row."""
+    from slipstream.bench.workers.gpu import Rows, _pytest
+
+    (tmp_path / "tests").mkdir()
+    case_file = tmp_path / "tests" / "test_made.py"
+    case_file.write_text("import time\n\n\ndef test_broken():\n    raise AttributeError('no attribute x')\n\n\n"
+                         "def test_slow():\n    time.sleep(120)\n")
+    rows_path = tmp_path / "rows.jsonl"
+    started = time.monotonic()
+    out = _pytest({"repo": str(tmp_path), "workdir": str(tmp_path)}, Rows(str(rows_path)), started + 25, "made",
+                  [str(case_file)])
+    assert time.monotonic() - started < 25
+    (row,) = [json.loads(line) for line in rows_path.read_text().splitlines()]
+    assert out["returncode"] is None and row["result"] == "FAILED", row
+    assert "stopped in" in row["detail"] and "test_slow" in row["detail"], row
+    assert "test_made.py::test_broken: AttributeError: no attribute x" in row["detail"], row

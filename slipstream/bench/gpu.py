@@ -71,9 +71,9 @@ STAGES = (
     Stage("probe", "2. stream-race probe, 1 rank", 45),
     Stage("comm", "3. ranks sharing one GPU over gloo (staged)", 75),
     Stage("varlen", "4. varlen step", 110),
-    Stage("compile", "5. compile told its run length", 95),
+    Stage("compile", "5. compile told its run length", 80),
     Stage("pytest", "6. pytest -m gpu", 130),
-    Stage("suite", "7. CPU tests on this machine's torch", 60),
+    Stage("suite", "7. CPU tests on this machine's torch", 75),
 )
 
 _KILL_GRACE_S = 5.0

@@ -216,10 +216,14 @@ def _pytest(ctx: dict, rows: Rows, deadline: float, case: str, args: list, env: 
                                 cwd=ctx["repo"], stdout=f, stderr=subprocess.STDOUT,
                                 env={**os.environ, "COLUMNS": "300", **(env or {})})
         try:
-            code = proc.wait(timeout=limit)
+            code = proc.wait(timeout=max(limit - 8, 1.0))
         except subprocess.TimeoutExpired:
-            proc.kill()  # its ranks, in this stage's session, go with the stage
-            proc.wait()
+            proc.send_signal(signal.SIGINT)  # pytest stops and prints the short summary of what failed so far
+            try:
+                proc.wait(timeout=6)
+            except subprocess.TimeoutExpired:
+                proc.kill()  # its ranks, in this stage's session, go with the stage
+                proc.wait()
             code = None
     text = log.read_text(errors="replace")
     sys.stdout.write(text[-20000:])
