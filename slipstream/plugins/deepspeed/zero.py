@@ -25,6 +25,7 @@ for the allreduce (``slipstream bench comm``, benchmarks/results/finetune_*.md).
 from __future__ import annotations
 
 import functools
+import inspect
 import weakref
 
 import torch
@@ -76,15 +77,21 @@ def owner_layout(numels: list[int], owners: list, world: int,
     return offsets, shard, filled
 
 
-def _reduce_to_owners(self, deferred, small_bucket, communication_data_type, log=None, divide=True,
-                      process_group=None, bucket_ranks=None, output_bucket=None):
-    """Drop-in for ``DeepSpeedZeroOptimizer.allreduce_and_copy_with_multiple_ranks``. While
-    ``deferred`` (an ``overlap.Deferred`` or None) collects a bucket's reductions, the
-    reduce-scatter is issued async and its copy-back handed to it."""
+def _reduce_to_owners(self, deferred, signature, *args, **kwargs):
+    """Drop-in for ``DeepSpeedZeroOptimizer.allreduce_and_copy_with_multiple_ranks``, whose
+    arguments ``signature`` names: DeepSpeed 0.17 on passes the communication dtype and an output
+    bucket, 0.16 neither (its communication dtype is the optimizer's). While ``deferred`` (an
+    ``overlap.Deferred`` or None) collects a bucket's reductions, the reduce-scatter is issued
+    async and its copy-back handed to it."""
     import deepspeed.comm as dist
     from deepspeed.runtime.zero import stage_1_and_2
 
-    group = self.dp_process_group if process_group is None else process_group
+    a = signature.bind(self, *args, **kwargs)
+    a.apply_defaults()
+    small_bucket, divide, bucket_ranks = a.arguments["small_bucket"], a.arguments["divide"], a.arguments["bucket_ranks"]
+    communication_data_type = a.arguments.get("communication_data_type", getattr(self, "communication_data_type", None))
+    output_bucket = a.arguments.get("output_bucket")
+    group = self.dp_process_group if a.arguments["process_group"] is None else a.arguments["process_group"]
     backend = dist.comm.cdb  # the core's stand-in (comm_backend.py), possibly behind a timer
     dtype = small_bucket[0].dtype if small_bucket else None
     # the core's path only where the routing decision gives it the bucket: on NCCL the padded
@@ -101,9 +108,7 @@ def _reduce_to_owners(self, deferred, small_bucket, communication_data_type, log
         layout = owner_layout([t.numel() for t in small_bucket], list(bucket_ranks), world,
                               max_padding=None if comm is not None and comm.hier is not None else MAX_PADDING)
     if layout is None:
-        return type(self).allreduce_and_copy_with_multiple_ranks(
-            self, small_bucket, communication_data_type, log=log, divide=divide, process_group=group,
-            bucket_ranks=bucket_ranks, output_bucket=output_bucket)
+        return type(self).allreduce_and_copy_with_multiple_ranks(self, *args, **kwargs)
     offsets, shard, ends = layout
     flat = torch.zeros(world * shard, dtype=dtype, device=small_bucket[0].device)  # zero padding
     for t, start in zip(small_bucket, offsets):
@@ -121,7 +126,8 @@ def _reduce_to_owners(self, deferred, small_bucket, communication_data_type, log
         for buf, start, output in zip(small_bucket, offsets, outputs):
             if base <= start < base + shard:
                 synced = mine[start - base:start - base + buf.numel()].view_as(buf)
-                self._add_to_grad_partition_buffer(output, synced)
+                if output is not None:  # DeepSpeed 0.17 on: its compact gradient partition
+                    self._add_to_grad_partition_buffer(output, synced)
                 buf.copy_(synced)
 
     if collecting is not None:
@@ -149,7 +155,8 @@ def patch_zero_optimizer(optimizer, overlap: bool = False, trial=None, overlap_b
     deferred = None
     if (overlap or trial is not None) and all(hasattr(optimizer, n) for n in _DEFERRED_NEEDS):
         deferred = Deferred(*_trial_buckets(optimizer, trial, overlap_bucket))
-    patch(optimizer, _METHOD, functools.partial(_reduce_to_owners, optimizer, deferred), owner=_OWNER)
+    signature = inspect.signature(getattr(DeepSpeedZeroOptimizer, _METHOD))
+    patch(optimizer, _METHOD, functools.partial(_reduce_to_owners, optimizer, deferred, signature), owner=_OWNER)
     if deferred is not None:
         patch(optimizer, "reduce_ipg_grads", functools.partial(deferred.reduce_ipg_grads, optimizer), owner=_OWNER)
         patch(optimizer, "independent_gradient_partition_epilogue", functools.partial(deferred.epilogue, optimizer),
