@@ -34,6 +34,40 @@ def install() -> None:
     import accelerate.accelerator as acc
     import accelerate.state as state
 
+    if hasattr(acc, "fsdp2_prepare_model"):
+        _patch_fsdp2(acc)
+    else:  # accelerate before its FSDP2 support (1.0 has none): FSDP1 and DDP are patched as usual
+        from accelerate import __version__
+
+        warn_once(f"accelerate {__version__} has no FSDP2 (fsdp2_prepare_model): slipstream takes its FSDP1 "
+                  "and DDP jobs only")
+
+    original_prepare_model = acc.Accelerator.prepare_model
+
+    @functools.wraps(original_prepare_model)
+    def prepare_model(self, model, *args, **kwargs):
+        return _hook_fsdp1(original_prepare_model(self, model, *args, **kwargs))
+
+    patch(acc.Accelerator, "prepare_model", prepare_model, owner=_OWNER)
+
+    original_init = state.AcceleratorState.__init__
+
+    @functools.wraps(original_init)
+    def __init__(self, *args, **kwargs):
+        if _launched_for_fsdp_without_a_device(state):
+            if len(args) >= 2:  # (mixed_precision, cpu, ...)
+                args = (args[0], True, *args[2:])
+            else:
+                kwargs["cpu"] = True
+        original_init(self, *args, **kwargs)
+        _fsdp_on_cpu(self, kwargs.get("fsdp_plugin"))
+
+    patch(state.AcceleratorState, "__init__", __init__, owner=_OWNER)
+
+
+def _patch_fsdp2(acc) -> None:
+    """``acc.fsdp2_prepare_model`` (``accelerate.accelerator``): after accelerate's own
+    ``fully_shard``, ``slipstream.fsdp.apply`` (varlen before it, compile after it)."""
     original_prepare = acc.fsdp2_prepare_model
 
     @functools.wraps(original_prepare)
@@ -58,28 +92,6 @@ def install() -> None:
         return model
 
     patch(acc, "fsdp2_prepare_model", fsdp2_prepare_model, owner=_OWNER)
-
-    original_prepare_model = acc.Accelerator.prepare_model
-
-    @functools.wraps(original_prepare_model)
-    def prepare_model(self, model, *args, **kwargs):
-        return _hook_fsdp1(original_prepare_model(self, model, *args, **kwargs))
-
-    patch(acc.Accelerator, "prepare_model", prepare_model, owner=_OWNER)
-
-    original_init = state.AcceleratorState.__init__
-
-    @functools.wraps(original_init)
-    def __init__(self, *args, **kwargs):
-        if _launched_for_fsdp_without_a_device(state):
-            if len(args) >= 2:  # (mixed_precision, cpu, ...)
-                args = (args[0], True, *args[2:])
-            else:
-                kwargs["cpu"] = True
-        original_init(self, *args, **kwargs)
-        _fsdp_on_cpu(self, kwargs.get("fsdp_plugin"))
-
-    patch(state.AcceleratorState, "__init__", __init__, owner=_OWNER)
 
 
 def uninstall() -> None:
