@@ -214,7 +214,7 @@ def _pytest(ctx: dict, rows: Rows, deadline: float, case: str, args: list, env: 
     with open(log, "w") as f:
         proc = subprocess.Popen([sys.executable, "-m", "pytest", "-v", "-rfE", "-p", "no:cacheprovider", *each, *args],
                                 cwd=ctx["repo"], stdout=f, stderr=subprocess.STDOUT,
-                                env={**os.environ, "COLUMNS": "300", **(env or {})})
+                                env={**os.environ, "COLUMNS": "300", **(env or {})}, preexec_fn=_default_sigint)
         try:
             code = proc.wait(timeout=max(limit - 8, 1.0))
         except subprocess.TimeoutExpired:
@@ -240,6 +240,13 @@ def _pytest(ctx: dict, rows: Rows, deadline: float, case: str, args: list, env: 
                    f"exit code {code}, no summary line")
     rows.add(case, summary, said)
     return {"returncode": code, "summary": summary, "failed": list(failed)}
+
+
+def _default_sigint() -> None:
+    """In pytest's process, before it starts: SIGINT as Python handles it by default. A process
+    started in the background of a shell without job control inherits SIGINT ignored, and a
+    Python started so never raises KeyboardInterrupt (the stop below would go unheard)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 _OUTCOME = "PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS"
