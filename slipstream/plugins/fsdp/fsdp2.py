@@ -199,9 +199,10 @@ def remove(model: torch.nn.Module) -> None:
         before = vars(module).pop(_ORIGINALS, None)
         if before is None:
             continue
+        groups = _overlap.param_groups(module._get_fsdp_state())
         if _OVERLAPPED in vars(module):
-            _overlap.release(_overlap.param_groups(module._get_fsdp_state()), vars(module).pop(_OVERLAPPED))
-        for group, (gather, scatter) in zip(_overlap.param_groups(module._get_fsdp_state()), before):
+            _overlap.release(groups, vars(module).pop(_OVERLAPPED))
+        for group, (gather, scatter) in zip(groups, before):
             group._all_gather_comm, group._reduce_scatter_comm = gather, scatter
             replicate = getattr(group.mesh_info, "replicate_process_group", None)
             if replicate is not None:
