@@ -2,6 +2,7 @@
 ``init_process_group()`` without a backend, configuration from code and from ``SLIPSTREAM_*``,
 and an exact undo. One process, world size 1, on a HashStore."""
 
+import os
 import subprocess
 import sys
 
@@ -11,6 +12,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
 import slipstream
+from _dist import all_gather_single
 from slipstream.core_comm.backend import registry
 from slipstream.core_comm.backend.process_group import SlipstreamProcessGroup
 from slipstream.core_comm.config import CommConfig
@@ -68,6 +70,33 @@ def test_import_registers_the_backend_loads_little_and_changes_nothing_else():
     assert out.stdout.strip().endswith("ok")
 
 
+MISSING_STACKS = r"""
+import sys
+for stack in ("deepspeed", "accelerate", "megatron", "transformers"):
+    sys.modules[stack] = None  # Python's mark for a module that cannot be imported: as if not installed
+import torch.distributed as dist  # under SLIPSTREAM=1 the start-up hook enables here
+import slipstream
+assert slipstream.is_enabled() == (sys.argv[1] == "1")
+slipstream.enable()
+assert dist.Backend.default_device_backend_map["cpu"] == "slipstream"
+slipstream.status()
+slipstream.disable()
+assert not slipstream.is_enabled()
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("env", ["0", "1"])
+def test_enable_and_the_start_up_hook_work_without_any_optional_stack(env):
+    """A plain torch install (none of DeepSpeed, accelerate, megatron-core, transformers): the
+    adapters' import hooks are skipped, not a ModuleNotFoundError from ``find_spec("megatron.core")``
+    (torch 2.11's image without megatron found it)."""
+    out = subprocess.run([sys.executable, "-c", MISSING_STACKS, env], capture_output=True, text=True,
+                         timeout=120, env={**os.environ, "SLIPSTREAM": env})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().endswith("ok") and "could not" not in out.stderr, out.stderr[-3000:]
+
+
 def test_enable_makes_slipstream_the_default_and_disable_restores_exactly(undo):
     before = _torch_state()
     slipstream.enable()
@@ -113,7 +142,7 @@ def test_single_rank_group_collectives_and_monitored_barrier(undo):
     t = torch.arange(10.0)
     dist.all_reduce(t)
     out = torch.empty(10)
-    dist.all_gather_single(out, t)
+    all_gather_single(out, t)
     dist.monitored_barrier()  # torch refuses non-gloo names; slipstream's barrier is gloo's
     assert torch.equal(out, torch.arange(10.0))
     assert pg.name() == "slipstream" and dist.get_backend() == "slipstream"

@@ -13,10 +13,11 @@ import.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import sys
 from typing import Any, Callable, Mapping
 
-__all__ = ["attributes"]
+__all__ = ["attributes", "installed"]
 
 
 def attributes(module: str, table: Mapping[str, str | Callable[[], Any]], *,
@@ -54,3 +55,13 @@ def _require(framework: str, extra: str) -> None:
         importlib.import_module(framework)
     except ImportError as e:
         raise ImportError(f'this part of slipstream needs {framework}: pip install "slipstream[{extra}]"') from e
+
+
+def installed(name: str) -> bool:
+    """Whether module ``name`` can be imported, without importing it. ``find_spec`` of a dotted
+    name imports its parent and raises where the parent is missing (``megatron.core`` without
+    megatron): that is ``False`` here."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False

@@ -135,11 +135,10 @@ def _rel_diff(reference: list[float], losses: list[float]) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
-    import importlib.util
-
+    from .._common import lazy
     from .workers.megatron import CPU_WORKAROUNDS
 
-    if importlib.util.find_spec("megatron.core") is None:
+    if not lazy.installed("megatron.core"):
         raise SystemExit("slipstream bench megatron needs megatron-core: pip install 'slipstream[megatron]'")
     try:
         spec = parse_layout(args.layout)

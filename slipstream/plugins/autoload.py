@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import importlib
 import importlib.abc
-import importlib.util
 import sys
 
 from slipstream_after_import import AfterImport
+
+from .._common import lazy
 
 __all__ = ["install_hooks", "remove_hooks"]
 
@@ -55,12 +56,13 @@ def _initialising(module) -> bool:
 def install_hooks() -> None:
     """Idempotent."""
     for name, adapter in ADAPTERS.items():
-        if name in sys.modules and _initialising(sys.modules[name]):
+        module = sys.modules.get(name)  # None: imported and absent, or blocked (``sys.modules[name] = None``)
+        if module is not None and _initialising(module):
             if not any(isinstance(f, _WhenInitialised) and f.name == name for f in sys.meta_path):
                 sys.meta_path.insert(0, _WhenInitialised(name))
-        elif name in sys.modules:
+        elif module is not None:
             importlib.import_module(adapter).install()
-        elif importlib.util.find_spec(name) is not None and not any(
+        elif name not in sys.modules and lazy.installed(name) and not any(
             isinstance(f, _AdapterHook) and f.name == name for f in sys.meta_path
         ):
             sys.meta_path.insert(0, _AdapterHook(name))
@@ -71,5 +73,5 @@ def remove_hooks() -> None:
     for name, adapter in ADAPTERS.items():
         sys.meta_path[:] = [f for f in sys.meta_path
                             if not (isinstance(f, (_AdapterHook, _WhenInitialised)) and f.name == name)]
-        if name in sys.modules:
+        if sys.modules.get(name) is not None:
             importlib.import_module(adapter).uninstall()
