@@ -24,6 +24,24 @@ _CTX = mp.get_context("forkserver")
 _CTX.set_forkserver_preload(["torch", "torch.distributed", "deepspeed", "transformers", "megatron.core"])
 
 
+def spellings(*names: str) -> list[tuple[str, Callable]]:
+    """``(name, torch.distributed.<name>)`` for each spelling this torch has (torch 2.13 renamed
+    ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` to ``*_single``, 2.11 has the old)."""
+    import torch.distributed as dist
+
+    return [(name, getattr(dist, name)) for name in names if hasattr(dist, name)]
+
+
+def all_gather_single(*args, **kwargs):
+    """``all_gather_single``, or ``all_gather_into_tensor`` on a torch before 2.13."""
+    return spellings("all_gather_single", "all_gather_into_tensor")[0][1](*args, **kwargs)
+
+
+def reduce_scatter_single(*args, **kwargs):
+    """``reduce_scatter_single``, or ``reduce_scatter_tensor`` on a torch before 2.13."""
+    return spellings("reduce_scatter_single", "reduce_scatter_tensor")[0][1](*args, **kwargs)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

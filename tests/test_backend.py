@@ -13,7 +13,7 @@ from torch.testing import assert_close
 import slipstream  # noqa: F401 - registers the backend in the ranks that unpickle this module
 from _dist import from_bytes as _load
 from _dist import int_values as _values
-from _dist import run_ranks
+from _dist import all_gather_single, run_ranks, spellings as _spellings, reduce_scatter_single
 from _dist import to_bytes as _bytes
 from slipstream.core_comm.backend.process_group import SlipstreamProcessGroup
 
@@ -53,13 +53,13 @@ def _collectives(rank: int, world: int) -> dict:
     out["async"] = t
     # tensor allgather / reduce-scatter, both spellings and the stack form
     n = 40_000
-    for name, call in [("single", dist.all_gather_single), ("into_tensor", dist.all_gather_into_tensor)]:
+    for name, call in _spellings("all_gather_single", "all_gather_into_tensor"):
         o = torch.empty(world * n)
         call(o, _values(rank, n, seed=4))
         out[f"all_gather_{name}"] = o
     stacked = torch.empty(world, 100)  # NCCL's stack form: gloo refuses it, and so must we
-    out["all_gather_stacked"] = _error(lambda: dist.all_gather_single(stacked, _values(rank, 100, seed=5)))
-    for name, call in [("single", dist.reduce_scatter_single), ("tensor", dist.reduce_scatter_tensor)]:
+    out["all_gather_stacked"] = _error(lambda: all_gather_single(stacked, _values(rank, 100, seed=5)))
+    for name, call in _spellings("reduce_scatter_single", "reduce_scatter_tensor"):
         o = torch.empty(n)
         call(o, _values(rank, world * n, seed=6))
         out[f"reduce_scatter_{name}"] = o
@@ -122,7 +122,7 @@ def _collectives(rank: int, world: int) -> dict:
     dist.all_reduce(t, group=mine)
     out["subgroup_all_reduce"] = t
     o = torch.empty(2 * 1000)
-    dist.all_gather_single(o, _values(rank, 1000, seed=19), group=mine)
+    all_gather_single(o, _values(rank, 1000, seed=19), group=mine)
     out["subgroup_all_gather"] = o
     local = dist.new_group([rank], use_local_synchronization=True)
     t = _values(rank, 10, seed=20)
@@ -210,7 +210,7 @@ def _options_and_refusals(rank: int, world: int) -> dict:
     t = _values(rank, 5000, seed=2)
     pg.allreduce([t], opts).wait()
     out["timeout"] = t
-    out["mismatch_error"] = _error(lambda: dist.all_gather_single(torch.empty(3), torch.ones(2)))
+    out["mismatch_error"] = _error(lambda: all_gather_single(torch.empty(3), torch.ones(2)))
     return _bytes(out)
 
 

@@ -12,7 +12,7 @@ from torch.testing import assert_close
 import slipstream  # noqa: F401 - registers the backend in the ranks that unpickle this module
 from _dist import from_bytes as _load
 from _dist import int_values as _values
-from _dist import run_ranks
+from _dist import all_gather_single, reduce_scatter_single, run_ranks
 from _dist import to_bytes as _bytes
 from slipstream.core_comm import counters, pool
 
@@ -54,11 +54,11 @@ def _ops_and_coalesced(rank: int, world: int) -> bytes:
     o = torch.empty(n)
     inp = _values(rank, world * n, seed=3)
     kept = inp.clone()
-    dist.reduce_scatter_single(o, inp, op=ReduceOp.AVG)
+    reduce_scatter_single(o, inp, op=ReduceOp.AVG)
     out["reduce_scatter_avg"] = o
     o = torch.empty(n)
     op = _premul(0.5)
-    dist.reduce_scatter_single(o, inp * 0.5 if op is None else inp, op=op or ReduceOp.SUM)
+    reduce_scatter_single(o, inp * 0.5 if op is None else inp, op=op or ReduceOp.SUM)
     out["reduce_scatter_premul"] = o
     out["premul_input_untouched"] = torch.equal(inp, kept)
     # the coalescing manager: what FSDP and Megatron's DDP issue
@@ -71,12 +71,12 @@ def _ops_and_coalesced(rank: int, world: int) -> bytes:
     outs, ins = [torch.empty(k) for k in (64, 4000)], [_values(rank, world * k, seed=k) for k in (64, 4000)]
     with dist._coalescing_manager():
         for o, i in zip(outs, ins):
-            dist.reduce_scatter_single(o, i, op=ReduceOp.SUM)
+            reduce_scatter_single(o, i, op=ReduceOp.SUM)
     out["coalesced_reduce_scatter"] = outs
     outs, ins = [torch.empty(world * k) for k in (64, 4000)], [_values(rank, k, seed=k + 1) for k in (64, 4000)]
     with dist._coalescing_manager(async_ops=True) as cm:
         for o, i in zip(outs, ins):
-            dist.all_gather_single(o, i)
+            all_gather_single(o, i)
     cm.wait()
     out["coalesced_all_gather"] = outs
     out["_counts"] = counters.snapshot()
