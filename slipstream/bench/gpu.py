@@ -230,7 +230,9 @@ def _report(outcomes: list[Outcome], command: str, started: str, total_s: float,
              *table(["stage", "case", "result", "details"], "llll",
                     [[_cell(c) for c in row] for o in outcomes for row in o.rows]), "",
              f"{len(outcomes)} stages in {total_s:.0f} s of a {limit:.0f} s limit; "
-             + (f"FAILED: {', '.join(failed)}" if failed else "none failed") + ". Each stage's time: "
+             + (f"FAILED: {', '.join(failed)}" if failed else "every stage ran to its end")
+             + (f"; {bad} rows FAILED" if (bad := sum(row[2] == "FAILED" for o in outcomes for row in o.rows))
+                else "; no row FAILED") + ". Each stage's time: "
              + ", ".join(f"{o.stage.name} {o.seconds:.0f} s of {o.limit:.0f} ({o.cpu_s:.0f} s CPU)"
                          for o in outcomes) + "."]
     for o in outcomes:

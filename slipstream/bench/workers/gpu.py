@@ -209,12 +209,16 @@ def _pytest(ctx: dict, rows: Rows, deadline: float, case: str, args: list, env: 
         rows.add(case, "FAILED", f"no tests directory in {ctx['repo']} (an installed copy, not a checkout)")
         return {}
     log, limit = Path(ctx["workdir"]) / f"pytest-{re.sub(r'[^a-z]+', '-', case.lower())[:40]}.log", _left(deadline)
+    errors = log.with_suffix(".failures.jsonl")
+    errors.unlink(missing_ok=True)
     # one test's compile (flex's) must not take the stage's whole time: each test gets a third of it
     each = ["--timeout", str(max(30, int(limit / 3)))] if importlib.util.find_spec("pytest_timeout") else []
     with open(log, "w") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "pytest", "-v", "-rfE", "-p", "no:cacheprovider", *each, *args],
-                                cwd=ctx["repo"], stdout=f, stderr=subprocess.STDOUT,
-                                env={**os.environ, "COLUMNS": "300", **(env or {})}, preexec_fn=_default_sigint)
+        proc = subprocess.Popen([sys.executable, "-m", "pytest", "-v", "-rfE", "-p", "no:cacheprovider",
+                                 "-p", "slipstream.bench.pytest_failures", *each, *args],
+                                cwd=ctx["repo"], stdout=f, stderr=subprocess.STDOUT, preexec_fn=_default_sigint,
+                                env={**os.environ, "COLUMNS": "300", "SLIPSTREAM_PYTEST_FAILURES": str(errors),
+                                     **(env or {})})
         try:
             code = proc.wait(timeout=max(limit - 8, 1.0))
         except subprocess.TimeoutExpired:
@@ -227,13 +231,16 @@ def _pytest(ctx: dict, rows: Rows, deadline: float, case: str, args: list, env: 
             code = None
     text = log.read_text(errors="replace")
     sys.stdout.write(text[-20000:])
-    failed = _failures(text)
+    failed = _failures(text, errors.read_text(errors="replace") if errors.exists() else "")
     said = "; ".join(f"{name}: {why}" if why else name for name, why in failed.items())
     if code is None:
-        counts = ", ".join(f"{n} {o.lower()}" for o, n in sorted(Counter(o for _, o in _outcomes(text)).items()))
-        stuck = re.findall(r"^(\S+::\S+) *$", text, re.M)
+        done = _outcomes(text)
+        counts = ", ".join(f"{n} {o.lower()}" for o, n in sorted(Counter(o for _, o in done).items()))
+        # a test's id alone on a line: started (serially, the last one; under xdist, each one scheduled)
+        started = dict.fromkeys(re.findall(r"^(\S+::\S+) *$", text, re.M))
+        stuck = [t for t in started if t not in dict(done)][-8:]
         rows.add(case, "FAILED", f"timed out after {limit:.0f} s; so far {counts or 'nothing'}"
-                 + (f"; stopped in {stuck[-1]}" if stuck else "") + (f"; failed: {said}" if said else ""))
+                 + (f"; stopped in {', '.join(stuck)}" if stuck else "") + (f"; failed: {said}" if said else ""))
         return {"returncode": None, "failed": list(failed)}
     summary = next((line.strip("= ") for line in reversed(text.splitlines())
                     if re.search(r"\d+ (passed|failed|skipped|deselected|errors?)|no tests ran", line)),
@@ -259,15 +266,22 @@ def _outcomes(text: str) -> list[tuple[str, str]]:
             + [(t, o) for o, t in re.findall(rf"^\[gw\d+\] \[ *\d+%\] ({_OUTCOME}) (\S+::\S+)", text, re.M)])
 
 
-def _failures(text: str) -> dict[str, str]:
-    """Each failed test (file::name) and its error, from pytest's short summary (``-rfE``); a
-    failed test that the summary did not reach (a run cut short) with no error."""
+def _failures(text: str, reported: str = "") -> dict[str, str]:
+    """Each failed test (file::name) and its error: from pytest's short summary (``-rfE``), else
+    from the lines ``bench/pytest_failures.py`` wrote (``reported``: a run cut short under xdist prints
+    no summary); a failed test that neither reached, with no error."""
     found = {}
     for test, outcome in _outcomes(text):
         if outcome in ("FAILED", "ERROR"):
             found.setdefault(test.split("/")[-1], "")
+    for line in reported.splitlines():
+        try:
+            seen = json.loads(line)
+        except ValueError:
+            continue  # a line cut short by the stop
+        found[seen["test"].split("/")[-1]] = seen["error"].strip()[:200]
     for test, why in re.findall(r"^(?:FAILED|ERROR) (\S+::\S+)(?: - (.*))?$", text, re.M):
-        found[test.split("/")[-1]] = (why or "").strip()[:200]
+        found[test.split("/")[-1]] = (why or found.get(test.split("/")[-1]) or "").strip()[:200]
     return found
 
 
