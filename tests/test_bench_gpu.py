@@ -128,8 +128,10 @@ def test_a_pytest_stage_past_its_time_still_names_the_errors_so_far(tmp_path):
 
     (tmp_path / "tests").mkdir()
     case_file = tmp_path / "tests" / "test_made.py"
-    case_file.write_text("import time\n\n\ndef test_broken():\n    raise AttributeError('no attribute x')\n\n\n"
-                         "def test_slow():\n    time.sleep(120)\n")
+    # test_slow is exempt from the per-test timeout (a third of the stage's): the stage's stop must reach it
+    case_file.write_text("import time\n\nimport pytest\n\n\ndef test_broken():\n"
+                         "    raise AttributeError('no attribute x')\n\n\n"
+                         "@pytest.mark.timeout(0)\ndef test_slow():\n    time.sleep(120)\n")
     for extra in ([], ["-n", "2"]) if importlib.util.find_spec("xdist") else ([],):
         rows_path = tmp_path / f"rows{len(extra)}.jsonl"
         started, limit = time.monotonic(), 60 if extra else 25  # xdist's workers take ~15 s to start on 2 cores
