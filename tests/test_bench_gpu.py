@@ -101,6 +101,7 @@ def test_device_tag_is_the_gpu_model_in_lower_case():
     assert device_tag("NVIDIA H200") == "h200"
 
 
+@pytest.mark.slow
 def test_a_pytest_stage_row_names_each_failed_test_with_its_error(tmp_path):
     """The GPU machine is lent for minutes: a failure's error must be in the report, not only
     the test's name (a run of real pytest on a generated file, serial and under xdist)."""
@@ -120,6 +121,7 @@ def test_a_pytest_stage_row_names_each_failed_test_with_its_error(tmp_path):
         assert "test_made.py::test_broken: AttributeError: no attribute _fsdp_param_groups" in row["detail"], row
 
 
+@pytest.mark.slow
 def test_a_pytest_stage_past_its_time_still_names_the_errors_so_far(tmp_path):
     """Past the stage's time pytest is interrupted (SIGINT): the error of a test that failed
     before the one it stopped in is in the row, serially (pytest's short summary) and under

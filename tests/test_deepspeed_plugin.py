@@ -317,6 +317,7 @@ def _assert_auto_overlap(runs, steps_in_trial):
     assert all(run["bit_equal"] for run in runs.values()), runs
 
 
+@pytest.mark.slow
 def test_zero2_overlap_auto_chooses_by_measurement_caches_the_choice_and_trains_bit_equal(tmp_path):
     from slipstream.core_comm.tuner import overlap as ot
 
@@ -327,6 +328,7 @@ def test_zero2_overlap_auto_chooses_by_measurement_caches_the_choice_and_trains_
     assert len(list(tmp_path.iterdir())) == 2  # one choice for the model and layout on each link
 
 
+@pytest.mark.slow
 def test_zero3_overlap_auto_chooses_by_measurement_over_accumulated_steps_bit_equal(tmp_path):
     from slipstream.core_comm.tuner import overlap as ot
 

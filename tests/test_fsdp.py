@@ -423,6 +423,7 @@ def _auto_overlap(rank, world):
     return {**facts, "in_trial": in_trial}
 
 
+@pytest.mark.slow
 def test_fsdp2_overlap_auto_overlaps_on_a_slow_link_bit_equal_to_blocking(tmp_path):
     from slipstream.core_comm.tuner import overlap as ot
 

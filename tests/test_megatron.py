@@ -499,6 +499,7 @@ def _auto_overlap(rank, world):
     return runs
 
 
+@pytest.mark.slow
 def test_megatron_ddp_overlap_auto_chooses_by_measurement_bit_equal_to_megatrons_blocking_path(tmp_path):
     from slipstream.core_comm.tuner import overlap as ot
 
