@@ -62,7 +62,7 @@ def install_hooks() -> None:
                 sys.meta_path.insert(0, _WhenInitialised(name))
         elif module is not None:
             importlib.import_module(adapter).install()
-        elif name not in sys.modules and lazy.installed(name) and not any(
+        elif lazy.installed(name) and not any(
             isinstance(f, _AdapterHook) and f.name == name for f in sys.meta_path
         ):
             sys.meta_path.insert(0, _AdapterHook(name))
