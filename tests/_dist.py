@@ -16,6 +16,10 @@ import traceback
 from datetime import timedelta
 from typing import Any, Callable, Sequence
 
+# torch 2.13's names, or 2.11's all_gather_into_tensor / reduce_scatter_tensor: the package's own choice
+from slipstream.core_comm._compat import all_gather_into_tensor as all_gather_single
+from slipstream.core_comm._compat import reduce_scatter_tensor as reduce_scatter_single
+
 _CTX = mp.get_context("forkserver")
 # The stacks the tests drive too, where installed (the server skips a missing one): each costs
 # 1-3 s a process to import on 2 cores, paid here once instead of by every rank of every test.
@@ -30,16 +34,6 @@ def spellings(*names: str) -> list[tuple[str, Callable]]:
     import torch.distributed as dist
 
     return [(name, getattr(dist, name)) for name in names if hasattr(dist, name)]
-
-
-def all_gather_single(*args, **kwargs):
-    """``all_gather_single``, or ``all_gather_into_tensor`` on a torch before 2.13."""
-    return spellings("all_gather_single", "all_gather_into_tensor")[0][1](*args, **kwargs)
-
-
-def reduce_scatter_single(*args, **kwargs):
-    """``reduce_scatter_single``, or ``reduce_scatter_tensor`` on a torch before 2.13."""
-    return spellings("reduce_scatter_single", "reduce_scatter_tensor")[0][1](*args, **kwargs)
 
 
 def free_port() -> int:
