@@ -17,8 +17,8 @@ from datetime import timedelta
 from typing import Any, Callable, Sequence
 
 # torch 2.13's names, or 2.11's all_gather_into_tensor / reduce_scatter_tensor: the package's own choice
-from slipstream.core_comm._compat import all_gather_into_tensor as all_gather_single
-from slipstream.core_comm._compat import reduce_scatter_tensor as reduce_scatter_single
+from slipstream.core_comm.compat import all_gather_into_tensor as all_gather_single
+from slipstream.core_comm.compat import reduce_scatter_tensor as reduce_scatter_single
 
 _CTX = mp.get_context("forkserver")
 # The stacks the tests drive too, where installed (the server skips a missing one): each costs

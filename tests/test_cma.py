@@ -11,7 +11,7 @@ import torch.distributed as dist
 from _dist import run_ranks
 from slipstream.core_comm.collectives import cma
 from slipstream.core_comm.routing import CMA_FROM_BYTES
-from slipstream.core_comm._compat import all_gather_into_tensor, reduce_scatter_tensor
+from slipstream.core_comm.compat import all_gather_into_tensor, reduce_scatter_tensor
 from slipstream.core_comm.collectives.cma import CmaComm
 from slipstream.core_comm.collectives.shm import ShmComm, ShmError
 

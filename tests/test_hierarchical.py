@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from _dist import run_ranks
 from slipstream.core_comm import CommConfig, Communicator
-from slipstream.core_comm._compat import all_gather_into_tensor, reduce_scatter_tensor
+from slipstream.core_comm.compat import all_gather_into_tensor, reduce_scatter_tensor
 from slipstream.core_comm.collectives.hierarchical import Hierarchical, _ramped, _rows, _select
 from slipstream.core_comm.transport.gloo import GlooInter
 from slipstream.core_comm.collectives.shm import ShmComm

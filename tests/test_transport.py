@@ -13,7 +13,7 @@ from _dist import free_port, run_ranks
 from slipstream.bench import transport as bench
 from slipstream.core_comm import CommConfig, Communicator
 from slipstream.core_comm.transport import tcp as transport
-from slipstream.core_comm._compat import all_gather_into_tensor, reduce_scatter_tensor
+from slipstream.core_comm.compat import all_gather_into_tensor, reduce_scatter_tensor
 from slipstream.core_comm.transport.tcp import MultiConnInter, TransportError, _split, endpoint_from_env
 
 R = dist.ReduceOp

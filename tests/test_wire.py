@@ -13,7 +13,7 @@ import torch.distributed as dist
 from _dist import run_ranks
 from slipstream._common.patch import uninstall_all
 from slipstream.core_comm import CommConfig, Communicator, counters
-from slipstream.core_comm._compat import all_gather_into_tensor, reduce_scatter_tensor
+from slipstream.core_comm.compat import all_gather_into_tensor, reduce_scatter_tensor
 from slipstream.core_comm.transport.codec import BLOCK, Bf16, ErrorFeedback, Int8
 
 R = dist.ReduceOp

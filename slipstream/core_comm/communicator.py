@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from . import counters
-from ._compat import all_gather_into_tensor, reduce_scatter_tensor
+from .compat import all_gather_into_tensor, reduce_scatter_tensor
 from .call_check import CallCheck, with_first_failure
 from .collectives.cma import CmaComm
 from .collectives.hierarchical import Hierarchical

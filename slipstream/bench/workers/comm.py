@@ -21,10 +21,8 @@ import torch
 import torch.distributed as dist
 
 from slipstream.cluster.worker import in_turns, run_worker, time_from_barrier
-
-# torch 2.13 renamed the tensor collectives (the old names warn); gloo supports both.
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+from slipstream.core_comm.compat import all_gather_into_tensor as _all_gather  # torch 2.13's or 2.11's name
+from slipstream.core_comm.compat import reduce_scatter_tensor as _reduce_scatter
 
 
 # op -> impl -> f(comms, out, inp), comms: impl -> its communicator; allreduce works in place on

@@ -23,13 +23,13 @@ import torch
 import torch.distributed as dist
 
 from slipstream.cluster.worker import cores_per_rank, in_turns, run_worker, time_from_barrier
+from slipstream.core_comm.compat import all_gather_into_tensor as _all_gather  # torch 2.13's or 2.11's name
+from slipstream.core_comm.compat import reduce_scatter_tensor as _reduce_scatter
 from slipstream.core_comm.tuner.measure import call_collective
 
 __all__ = ["measure"]
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather")
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # torch 2.13's names
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def _gloo(op: str, out: torch.Tensor, inp: torch.Tensor) -> None:

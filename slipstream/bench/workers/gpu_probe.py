@@ -28,6 +28,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from slipstream.core_comm.compat import all_gather_into_tensor as _all_gather  # torch 2.13's or 2.11's name
+
 __all__ = ["Probe", "one_rank", "probe", "probe_all", "row", "staged", "verdict", "wrappers"]
 
 SLEEP_CYCLES = 1 << 30
@@ -35,8 +37,6 @@ SLEEP_CYCLES = 1 << 30
 
 NUMEL = 1 << 20
 """Elements of each input: 4 MiB of float32, a copy of some tens of microseconds on a GPU."""
-
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch 2.13's name
 
 
 @dataclass(frozen=True)
