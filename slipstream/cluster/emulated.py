@@ -5,11 +5,12 @@ Each node is a network namespace holding one end of a veth pair (``veth0``, addr
 ends sit on a bridge in a "switch" namespace. ``tc`` limits each node's link in both
 directions: on the node's egress and on the switch's egress towards the node. Traffic between
 ranks of one node goes to the node's own address and stays local (the kernel routes it over
-loopback), traffic between nodes crosses two shaped links. Ranks are started by torch's own
-launcher, one ``torch.distributed.run`` per node inside its namespace, with
+loopback), traffic between nodes crosses two shaped links. Ranks are started by one launcher
+per node inside its namespace (``node_launcher``: forked after one import of what they need,
+or ``torch.distributed.run`` where an accelerator is visible), with
 ``SLIPSTREAM_NODE=<node>`` (so topology detection, and hence shared memory, follows the emulated
-nodes) and ``GLOO_SOCKET_IFNAME=veth0``. With one node nothing is emulated: plain
-``torch.distributed.run --standalone`` on loopback, no root needed. Every process runs the
+nodes) and ``GLOO_SOCKET_IFNAME=veth0``. With one node nothing is emulated: the
+same launcher on loopback, no root needed. Every process runs the
 launching interpreter (``sys.executable``) with the launcher's environment, so ranks import
 ``slipstream`` from where the launcher does (an installed package, editable or not).
 
@@ -307,26 +308,22 @@ class EmulatedCluster:
         return ["ip", "netns", "exec", self.namespaces[node], *argv]
 
     def launch(self, argv: Sequence[str], *, env: Mapping[str, str] | None = None,
-               timeout: float | None = None) -> None:
+               timeout: float | None = None, preload: Sequence[str] = ()) -> None:
         """Run ``argv`` (a script and its arguments, or ``-m module ...``) on every rank.
 
-        One ``torch.distributed.run`` per node inside its namespace, meeting at node 0's
-        address. Raises ``LaunchError`` when a node fails (the others are killed at once) or
-        when ``timeout`` seconds pass.
+        One node launcher per node inside its namespace (:func:`node_launcher`), meeting at
+        node 0's address. Raises ``LaunchError`` when a node fails (the others are killed at
+        once) or when ``timeout`` seconds pass.
         """
         spec = self.spec
         commands = []
         for i in range(spec.nodes):
-            torchrun = [
-                sys.executable, "-m", "torch.distributed.run", "--nnodes", str(spec.nodes),
-                "--node-rank", str(i), "--nproc-per-node", str(spec.ranks_per_node),
-                "--master-addr", self.node_ips[0], "--master-port", str(_MASTER_PORT), *argv,
-            ]
+            launcher = node_launcher(spec, i, (self.node_ips[0], _MASTER_PORT), argv, preload)
             # the emulated link's rate and faults: what a choice cached by the ranks is valid for
             link = " ".join(x for x in (spec.link, spec.per_connection_rate, spec.impair) if x)
             node_env = {**(env or {}), "SLIPSTREAM_NODE": str(i), "GLOO_SOCKET_IFNAME": self.iface,
                         "SLIPSTREAM_LINK": link or "unlimited"}
-            commands.append((self.node_command(i, torchrun), node_env))
+            commands.append((self.node_command(i, launcher), node_env))
         _run_nodes(commands, timeout)
 
     def measure_throughput(self, *, src: int = 1, dst: int = 0, nbytes: int = 32 << 20,
@@ -367,14 +364,45 @@ def _remove_stale(names: Sequence[str]) -> None:
 
 
 def launch(argv: Sequence[str], spec: ClusterSpec, *, env: Mapping[str, str] | None = None,
-           timeout: float | None = None) -> None:
+           timeout: float | None = None, preload: Sequence[str] = ()) -> None:
     """Run ``argv`` on ``spec.world_size`` ranks: on an emulated cluster when ``spec.nodes``
-    is 2 or more (root needed), else with plain ``torch.distributed.run`` on loopback."""
+    is 2 or more (root needed), else on loopback. ``preload``: modules the ranks will import,
+    imported once per node where the ranks are forked (:func:`node_launcher`)."""
     if spec.emulated:
         with EmulatedCluster(spec) as cluster:
-            cluster.launch(argv, env=env, timeout=timeout)
+            cluster.launch(argv, env=env, timeout=timeout, preload=preload)
         return
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                "--nproc-per-node", str(spec.ranks_per_node), *argv]
-    _run_nodes([(torchrun, {"GLOO_SOCKET_IFNAME": "lo", **(env or {}), "SLIPSTREAM_NODE": "0"})],
-               timeout)
+    _run_nodes([(node_launcher(spec, 0, None, argv, preload),
+                 {"GLOO_SOCKET_IFNAME": "lo", **(env or {}), "SLIPSTREAM_NODE": "0"})], timeout)
+
+
+def node_launcher(spec: ClusterSpec, node: int, master: tuple[str, int] | None, argv: Sequence[str],
+                  preload: Sequence[str] = ()) -> list[str]:
+    """The command that starts node ``node``'s ranks (``master`` None: one node on loopback).
+    Without an accelerator, ``_forkrun``: the ranks are forked after the node's launcher
+    imported what they need once; else (or with ``SLIPSTREAM_LAUNCHER=torchrun``) torch's
+    ``torch.distributed.run``, each rank a new interpreter."""
+    nodes = [] if master is None else [
+        "--nnodes", str(spec.nodes), "--node-rank", str(node), "--master-addr", master[0],
+        "--master-port", str(master[1])]
+    if _fork_ranks():  # run as a script only: the package does not import it
+        return [sys.executable, "-m", "slipstream.cluster._forkrun", *nodes, "--nproc-per-node",
+                str(spec.ranks_per_node), "--preload", ",".join(preload), *argv]
+    return [sys.executable, "-m", "torch.distributed.run", *(nodes or ["--standalone"]), "--nproc-per-node",
+            str(spec.ranks_per_node), *argv]
+
+
+def _fork_ranks() -> bool:
+    """Whether the node launchers fork their ranks: ``SLIPSTREAM_LAUNCHER`` (``fork``,
+    ``torchrun``, or ``auto``, the default: fork where no accelerator is visible, since a
+    process that initialised one cannot hand it to forked children)."""
+    choice = os.environ.get("SLIPSTREAM_LAUNCHER", "auto").strip().lower() or "auto"
+    if choice not in ("auto", "fork", "torchrun"):
+        raise ValueError(f"SLIPSTREAM_LAUNCHER={choice!r}: expected auto, fork or torchrun")
+    if choice != "auto":
+        return choice == "fork"
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        accelerator = getattr(torch, "accelerator", None)
+        return not (torch.cuda.is_available() or (accelerator is not None and accelerator.is_available()))
+    return not any(os.path.exists(p) for p in ("/dev/nvidiactl", "/dev/kfd")) and not glob.glob("/dev/accel/*")

@@ -39,14 +39,17 @@ __all__ = ["add_cluster_options", "add_flags", "cluster_spec", "cores_per_rank",
 
 
 def launch_worker(module: str, argv: Sequence[str], spec: ClusterSpec, *, env: Mapping[str, str] | None = None,
-                  timeout: float | None = None, out: str | Path | None = None, quiet: bool = False) -> Any:
+                  timeout: float | None = None, out: str | Path | None = None, quiet: bool = False,
+                  preload: Sequence[str] = ()) -> Any:
     """Run worker ``module`` (``python -m``, see :func:`run_worker`) with ``argv`` on the ranks
     of ``spec`` (:func:`~slipstream.cluster.launch`); return the result rank 0 wrote to ``out``
-    (default: a temporary file). ``quiet``: the ranks' output goes to stderr, not stdout."""
+    (default: a temporary file). ``quiet``: the ranks' output goes to stderr, not stdout.
+    ``preload``: what the ranks import beyond the module's top-level imports, imported once
+    per node where the ranks are forked."""
     with (tempfile.TemporaryDirectory(prefix="slipstream-worker-") as tmp,
           contextlib.redirect_stdout(sys.stderr) if quiet else contextlib.nullcontext()):
         path = Path(out) if out is not None else Path(tmp) / "result.json"
-        launch(["-m", module, *argv, "--out", str(path)], spec, env=env, timeout=timeout)
+        launch(["-m", module, *argv, "--out", str(path)], spec, env=env, timeout=timeout, preload=preload)
         return json.loads(path.read_text())
 
 
