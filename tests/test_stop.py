@@ -108,7 +108,7 @@ def test_a_signal_to_the_launcher_stops_every_rank(tmp_path, sig, nodes, phase, 
     reader = threading.Thread(target=lambda: output.extend(proc.stdout), daemon=True)
     reader.start()
     try:
-        expected = nodes * (1 + per_node)  # each node's torchrun and its ranks
+        expected = nodes * (1 + per_node)  # each node's launcher and its ranks
         _wait_for(lambda: len(_descendants(proc.pid)) >= expected, "its ranks", output, timeout=120)
         if phase == "building":
             _wait_for(lambda: (ext / OP / "lock").exists(), "the op's build", output)
