@@ -13,6 +13,7 @@ import time
 import pytest
 
 from slipstream.cluster import ClusterSpec
+from slipstream.cluster._forkrun import BOOTSTRAP, top_level_imports
 from slipstream.cluster.emulated import node_launcher
 
 PROBE = textwrap.dedent("""
@@ -61,6 +62,20 @@ def test_forked_ranks_get_torchruns_variables_and_results(tmp_path, form):
     assert [r["sum"] for r in seen["fork"]] == [3.0, 3.0]
     assert [r["env"]["RANK"] for r in seen["fork"]] == ["0", "1"]
     assert seen["fork"][0]["name"] == "__main__" and seen["fork"][0]["argv"] == ["--flag"]
+
+
+def test_imports_that_start_a_thread_hand_the_node_to_torchrun(tmp_path):
+    """A forked child holds none of its parent's threads: where the ranks' imports start one,
+    the launcher runs torch.distributed.run instead, and the job's results are the same."""
+    (tmp_path / "threader.py").write_text("import threading, time\n"
+                                           "threading.Thread(target=time.sleep, args=(60,), daemon=True).start()\n")
+    (tmp_path / "probe_entry.py").write_text("import threader\n" + PROBE)
+    out = tmp_path / "out"
+    out.mkdir()
+    done = _launch("fork", [str(tmp_path / "probe_entry.py"), str(out), "--flag"], tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "started 1 thread(s)" in done.stderr and "forked after importing" not in done.stderr
+    assert [r["sum"] for r in _ranks(out)] == [3.0, 3.0]
 
 
 def test_the_first_failed_rank_stops_the_others_and_is_named(tmp_path):
@@ -132,15 +147,13 @@ def test_the_launcher_choice_is_read_from_the_environment(monkeypatch):
     monkeypatch.setenv("SLIPSTREAM_LAUNCHER", "torchrun")
     assert node_launcher(spec, 0, None, ["x.py"])[1:4] == ["-m", "torch.distributed.run", "--standalone"]
     monkeypatch.setenv("SLIPSTREAM_LAUNCHER", "fork")
-    assert node_launcher(spec, 0, None, ["x.py"], ["deepspeed"])[1:3] == ["-m", "slipstream.cluster._forkrun"]
+    assert node_launcher(spec, 0, None, ["x.py"], ["deepspeed"])[1:3] == ["-c", BOOTSTRAP]
     monkeypatch.setenv("SLIPSTREAM_LAUNCHER", "forks")
     with pytest.raises(ValueError, match="SLIPSTREAM_LAUNCHER='forks'"):
         node_launcher(spec, 0, None, ["x.py"])
 
 
 def test_top_level_imports_are_what_the_entry_imports_before_it_runs(tmp_path):
-    from slipstream.cluster._forkrun import top_level_imports
-
     path = tmp_path / "entry.py"
     path.write_text(textwrap.dedent("""
         from __future__ import annotations

@@ -1,7 +1,8 @@
 """One node's launcher that imports what its ranks import once, then forks the ranks.
 
-``python -m slipstream.cluster._forkrun --nnodes N --node-rank I --nproc-per-node P
---master-addr A --master-port Q [--preload m1,m2] (SCRIPT | -m MODULE) ARGS...``
+``python -c BOOTSTRAP --nnodes N --node-rank I --nproc-per-node P --master-addr A --master-port Q
+[--preload m1,m2] (SCRIPT | -m MODULE) ARGS...``, ``BOOTSTRAP`` setting ``OMP_NUM_THREADS=1``
+(unless set) before ``slipstream``, and so torch, is imported: torch's OpenMP reads it once.
 
 ``emulated.py`` starts it in place of ``torch.distributed.run`` on a machine without an
 accelerator. A rank of a Llama job spends about 6 s of CPU importing torch and transformers on
@@ -17,7 +18,9 @@ and ends as an interpreter does: non-daemon threads joined, exit handlers run.
 
 Not for a process that has initialised CUDA (a forked child cannot use it): the launchers keep
 ``torch.distributed.run`` where an accelerator is available, or where
-``SLIPSTREAM_LAUNCHER=torchrun``.
+``SLIPSTREAM_LAUNCHER=torchrun``. Where the imports started a thread (a forked child would hold
+none of it, and could find a lock it held), this launcher becomes ``torch.distributed.run``
+for the same node and says so.
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ import time
 import traceback
 from typing import Sequence
 
+BOOTSTRAP = ("import os, sys; os.environ.setdefault('OMP_NUM_THREADS', '1'); "  # as torchrun does
+             "from slipstream.cluster._forkrun import main; sys.exit(main())")
 _STOP_GRACE_S = 5.0
 _STORE_TIMEOUT_S = 600.0  # torchrun's rendezvous bound
 _SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -127,6 +132,14 @@ def _worker_env(args: argparse.Namespace, port: int) -> dict[str, str]:
             "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
             "TORCHELASTIC_RUN_ID": "none", "TORCHELASTIC_USE_AGENT_STORE": "True",
             "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
+
+
+def _torchrun_argv(args: argparse.Namespace, port: int) -> list[str]:
+    """torch's launcher for the same node and entry."""
+    entry = ["-m", args.module, *args.rest] if args.module is not None else list(args.rest)
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(args.nnodes), "--node-rank",
+            str(args.node_rank), "--nproc-per-node", str(args.nproc_per_node), "--master-addr", args.master_addr,
+            "--master-port", str(port), *entry]
 
 
 def _free_port() -> int:
@@ -250,7 +263,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(argv)
     port = args.master_port or _free_port()
     os.environ.update(_worker_env(args, port))
-    os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch is imported, as torchrun does
     path, package = _entry_file(args)
     if args.module is None:
         sys.path[0] = os.path.dirname(path)  # type: ignore[arg-type]
@@ -259,6 +271,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         preload += top_level_imports(path, package)
     started = time.monotonic()
     loaded = _preload(preload)
+    threads = len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else threading.active_count()
+    if threads > 1:  # a forked child holds none of them, and may find a lock one of them held
+        print(f"slipstream launcher: importing the ranks' modules started {threads - 1} thread(s), which forked "
+              "ranks would not have: starting each rank with torch.distributed.run", file=sys.stderr, flush=True)
+        argv = _torchrun_argv(args, port)
+        os.execv(argv[0], argv)
     if args.node_rank == 0:
         print(f"slipstream launcher: {args.nnodes} node(s) x {args.nproc_per_node} ranks forked after importing "
               f"{len(loaded)} modules once per node ({time.monotonic() - started:.1f} s); "
@@ -289,4 +307,5 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # too late for torch, imported with the package: use BOOTSTRAP
     sys.exit(main())

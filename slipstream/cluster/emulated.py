@@ -50,7 +50,7 @@ import threading
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from . import _impair, _netns
+from . import _forkrun, _impair, _netns
 from ._impair import Impairment, parse_impairment
 from ._launcher import LaunchError, _restore_handlers, _run_nodes, _unwind_on_termination
 from ._netns import NetnsError
@@ -385,8 +385,8 @@ def node_launcher(spec: ClusterSpec, node: int, master: tuple[str, int] | None, 
     nodes = [] if master is None else [
         "--nnodes", str(spec.nodes), "--node-rank", str(node), "--master-addr", master[0],
         "--master-port", str(master[1])]
-    if _fork_ranks():  # run as a script only: the package does not import it
-        return [sys.executable, "-m", "slipstream.cluster._forkrun", *nodes, "--nproc-per-node",
+    if _fork_ranks():
+        return [sys.executable, "-c", _forkrun.BOOTSTRAP, *nodes, "--nproc-per-node",
                 str(spec.ranks_per_node), "--preload", ",".join(preload), *argv]
     return [sys.executable, "-m", "torch.distributed.run", *(nodes or ["--standalone"]), "--nproc-per-node",
             str(spec.ranks_per_node), *argv]
