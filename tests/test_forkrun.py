@@ -5,6 +5,7 @@ module, torchrun's failure rule, signals reaching the ranks, and a rank's interp
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -140,6 +141,38 @@ def test_sigterm_to_the_launcher_stops_every_rank(tmp_path):
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_a_launcher_that_cannot_host_the_store_leaves_no_rank_behind(tmp_path):
+    (tmp_path / "sleep.py").write_text("import time\ntime.sleep(120)\n")
+    with _listening_on_every_address() as taken:
+        argv = [sys.executable, "-c", BOOTSTRAP, "--nproc-per-node", "2", "--master-port",
+                str(taken.getsockname()[1]), str(tmp_path / "sleep.py")]
+        done = subprocess.run(argv, cwd=tmp_path, env={**os.environ}, capture_output=True, text=True, timeout=60)
+    assert done.returncode != 0 and "EADDRINUSE" in done.stderr, done.stderr
+    left = [pid for pid in os.listdir("/proc") if pid.isdigit() and _cmdline(pid).count(str(tmp_path / "sleep.py"))]
+    assert not left, left
+
+
+def _listening_on_every_address() -> socket.socket:
+    """A socket holding a port on every address, as the store binds its own."""
+    try:
+        taken = socket.socket(socket.AF_INET6)
+        taken.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        taken.bind(("::", 0))
+    except OSError:  # no IPv6 here
+        taken = socket.socket()
+        taken.bind(("0.0.0.0", 0))
+    taken.listen()
+    return taken
+
+
+def _cmdline(pid: str) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""
 
 
 def test_the_launcher_choice_is_read_from_the_environment(monkeypatch):

@@ -155,6 +155,7 @@ def _host_store(args: argparse.Namespace, port: int):
 
     import torch.distributed as dist
 
+    os.environ.pop("TORCHELASTIC_USE_AGENT_STORE")  # the ranks have theirs: with it, torch ignores a failed bind
     return dist.TCPStore(args.master_addr, port, is_master=True, wait_for_workers=False,
                          timeout=timedelta(seconds=_STORE_TIMEOUT_S))
 
@@ -295,15 +296,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                 _run_rank(args, args.node_rank * args.nproc_per_node + local, local, saved)
             children[pid] = args.node_rank * args.nproc_per_node + local
         store = _host_store(args, port) if args.node_rank == 0 else None  # after forking: no thread is forked
-        try:
-            return _supervise(children)
-        finally:
-            del store
+        code = _supervise(children)
+        del store
+        return code
     except _Stop as stop:
         for sig in _SIGNALS:  # a second signal does not cut the stop short
             signal.signal(sig, signal.SIG_IGN)
         _stop(children, stop.signum if stop.signum != signal.SIGHUP else signal.SIGTERM)
         return 128 + stop.signum
+    finally:
+        _stop(children)  # what is still running after an error here (the store's port taken): none left behind
 
 
 if __name__ == "__main__":
