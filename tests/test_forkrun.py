@@ -15,6 +15,7 @@ import pytest
 
 from slipstream.cluster import ClusterSpec
 from slipstream.cluster._forkrun import BOOTSTRAP, top_level_imports
+from slipstream.cluster._launcher import _with_log_dir
 from slipstream.cluster.emulated import node_launcher
 
 PROBE = textwrap.dedent("""
@@ -38,7 +39,7 @@ PROBE = textwrap.dedent("""
 
 def _launch(how: str, entry: list[str], cwd, *, timeout: float = 120, **popen) -> subprocess.CompletedProcess:
     env = {**os.environ, "SLIPSTREAM_LAUNCHER": how, "GLOO_SOCKET_IFNAME": "lo"}
-    argv = node_launcher(ClusterSpec(nodes=1, ranks_per_node=2), 0, None, entry)
+    argv = _with_log_dir(node_launcher(ClusterSpec(nodes=1, ranks_per_node=2), 0, None, entry), str(cwd / "logs"))
     return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, **popen)
 
 

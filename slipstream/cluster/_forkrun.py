@@ -60,6 +60,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--master-addr", default="127.0.0.1")
     parser.add_argument("--master-port", type=int, default=0, help="0: a free one (one node only)")
     parser.add_argument("--preload", default="", help="modules to import before forking, comma-separated")
+    parser.add_argument("--log-dir", default="", help="torch.distributed.run's, where this launcher becomes it")
     args = parser.parse_args(argv[:at])
     entry = argv[at:]
     if not entry or entry == ["-m"]:
@@ -139,7 +140,7 @@ def _torchrun_argv(args: argparse.Namespace, port: int) -> list[str]:
     entry = ["-m", args.module, *args.rest] if args.module is not None else list(args.rest)
     return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(args.nnodes), "--node-rank",
             str(args.node_rank), "--nproc-per-node", str(args.nproc_per_node), "--master-addr", args.master_addr,
-            "--master-port", str(port), *entry]
+            "--master-port", str(port), *(["--log-dir", args.log_dir] if args.log_dir else []), *entry]
 
 
 def _free_port() -> int:
@@ -263,6 +264,7 @@ def _supervise(children: dict[int, int]) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse(argv)
     port = args.master_port or _free_port()
+    environ = dict(os.environ)  # torch.distributed.run's, where this launcher becomes it
     os.environ.update(_worker_env(args, port))
     path, package = _entry_file(args)
     if args.module is None:
@@ -277,7 +279,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"slipstream launcher: importing the ranks' modules started {threads - 1} thread(s), which forked "
               "ranks would not have: starting each rank with torch.distributed.run", file=sys.stderr, flush=True)
         argv = _torchrun_argv(args, port)
-        os.execv(argv[0], argv)
+        os.execve(argv[0], argv, environ)
     if args.node_rank == 0:
         print(f"slipstream launcher: {args.nnodes} node(s) x {args.nproc_per_node} ranks forked after importing "
               f"{len(loaded)} modules once per node ({time.monotonic() - started:.1f} s); "

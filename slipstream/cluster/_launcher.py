@@ -18,6 +18,7 @@ from collections import deque
 from typing import Mapping, Sequence
 
 from . import _netns
+from ._forkrun import BOOTSTRAP
 
 __all__ = ["LaunchError"]
 
@@ -78,12 +79,13 @@ def _run_nodes(commands: Sequence[tuple[list[str], Mapping[str, str]]], timeout:
 
 
 def _with_log_dir(argv: Sequence[str], logs: str) -> list[str]:
-    """``argv`` with torch.distributed.run's per-rank error files in ``logs``: left to itself,
-    each launcher makes a ``torchelastic_*`` directory in the temporary directory and never
-    removes it."""
-    if "torch.distributed.run" not in argv:
+    """``argv`` with torch.distributed.run's per-rank error files in ``logs`` (also given to a
+    forking launcher, for where it becomes torch.distributed.run): left to itself, each
+    launcher makes a ``torchelastic_*`` directory in the temporary directory and never removes it."""
+    marks = [m for m in ("torch.distributed.run", BOOTSTRAP) if m in argv]
+    if not marks:
         return list(argv)
-    at = list(argv).index("torch.distributed.run") + 1
+    at = list(argv).index(marks[0]) + 1
     return [*argv[:at], "--log-dir", logs, *argv[at:]]
 
 
