@@ -100,3 +100,19 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 _BEFORE = pytest.StashKey[set]()
+
+
+@pytest.fixture
+def new_compile_graphs(monkeypatch):
+    """Graphs that no earlier compile (of this run, or an earlier run on this machine) can have
+    cached: a key tag of this test's own, in this process and in the processes it starts. The
+    kernels inductor builds stay in the machine's cache, shared: g++ is the cold compile's time
+    (about 1 s a kernel on 2 cores), and a kernel's source is its key, whatever graph holds it."""
+    import uuid
+
+    import torch
+
+    tag = f"test-{uuid.uuid4().hex}"
+    monkeypatch.setenv("TORCH_COMPILE_CACHE_KEY_TAG", tag)
+    monkeypatch.setattr(torch.compiler.config, "cache_key_tag", tag)
+    return tag

@@ -666,7 +666,7 @@ def test_a_dynamic_candidate_traces_its_graph_once_with_floats_as_constants():
 
 
 @pytest.mark.slow
-def test_a_dynamic_varlen_candidate_compiled_elsewhere_loads_every_graph_here_on_other_lengths(tmp_path, monkeypatch):
+def test_a_dynamic_varlen_candidate_compiled_elsewhere_loads_every_graph_here_on_other_lengths(new_compile_graphs):
     """A packed llama's inductor-dynamic, compiled by a compile process on one batch, then here
     on a batch of other lengths: every graph comes from the cache (none generated here, none
     kept from AOTAutograd's cache), and the step's loss and gradients equal eager's."""
@@ -674,7 +674,7 @@ def test_a_dynamic_varlen_candidate_compiled_elsewhere_loads_every_graph_here_on
     from slipstream.core_compile.autotune import background
     from slipstream.recipes.model import build_model
 
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    torch._dynamo.reset()  # no shapes this process saw its layers take earlier (they change its graphs)
     model = build_model("llama-tiny", vocab_size=97, seed=1)
     # one decoder layer: the same kinds of graph (a layer's pieces, the head's); the test took 56 s, not 63 s
     model.model.layers = model.model.layers[:1]

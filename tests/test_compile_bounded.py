@@ -102,11 +102,10 @@ def _group_alive(pgid: int) -> list[int]:
 
 
 @pytest.fixture(autouse=True)
-def own_inductor_cache(tmp_path, monkeypatch):
-    """Inductor's cache of each test's own, for the compile process and this one: a graph of
-    these models compiled by an earlier run on this machine would load from the machine's cache,
-    and the compile these tests bound (a search that takes its time) would not happen."""
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+def own_graphs(new_compile_graphs):
+    """Graphs of each test's own, for the compile process and this one: a graph of these models
+    compiled by an earlier run on this machine would load from the machine's cache, and the
+    compile these tests bound (a search that takes its time) would not happen."""
 
 
 @pytest.fixture

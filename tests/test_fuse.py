@@ -43,10 +43,9 @@ def test_compiled_layers_match_the_padded_eager_model_across_lengths(name):
 
 @needs_compiler
 @pytest.mark.slow
-def test_each_layer_graph_is_traced_and_compiled_once_across_lengths(tmp_path, monkeypatch):
+def test_each_layer_graph_is_traced_and_compiled_once_across_lengths(new_compile_graphs):
     """Compiling cold, dynamo made a float symbolic under ``dynamic=True``, then specialized it
     and traced and AOT-compiled a graph a second time: 6 compiles of llama-tiny's 5 graphs."""
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))  # cold: nothing cached
     torch._dynamo.reset()  # no graph of an earlier test's layers kept in this process
     counters = torch._dynamo.utils.counters
     ref = build_model("llama-tiny", vocab_size=VOCAB, seed=2)
