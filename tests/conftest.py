@@ -114,5 +114,7 @@ def new_compile_graphs(monkeypatch):
 
     tag = f"test-{uuid.uuid4().hex}"
     monkeypatch.setenv("TORCH_COMPILE_CACHE_KEY_TAG", tag)
-    monkeypatch.setattr(torch.compiler.config, "cache_key_tag", tag)
-    return tag
+    # torch's own patch: monkeypatch.setattr (pytest 9.2) would delete the entry at undo, as the
+    # config module keeps it outside its __dict__
+    with torch.compiler.config.patch(cache_key_tag=tag):
+        yield tag
