@@ -179,6 +179,8 @@ SUITE_FILES = ("test_backend.py", "test_communicator.py", "test_ddp.py", "test_d
 """The CPU tests the ``suite`` stage runs on the GPU machine's own torch and transformers: those
 that reach into torch's, DeepSpeed's and transformers' internals (the suite is tested on one
 torch; a GPU image often holds another)."""
+DRY_SUITE_TEST = "test_enable.py::test_enable_makes_slipstream_the_default_and_disable_restores_exactly"
+"""What a dry run's ``suite`` stage runs: one test in a pytest process, as the stage runs its files."""
 
 
 def pytest_stage(ctx: dict, rows: Rows, deadline: float) -> dict:
@@ -193,9 +195,10 @@ def pytest_stage(ctx: dict, rows: Rows, deadline: float) -> dict:
 
 def suite_stage(ctx: dict, rows: Rows, deadline: float) -> dict:
     """``SUITE_FILES`` of the CPU tests, CUDA hidden, on this machine's torch, several at a time
-    where pytest-xdist is installed (on a dry run: ``test_enable.py`` alone, one at a time)."""
+    where pytest-xdist is installed (on a dry run: one test of ``test_enable.py``, which the suite
+    runs whole anyway)."""
     tests = Path(ctx["repo"]) / "tests"
-    files = ("test_enable.py",) if ctx["dry_run"] else SUITE_FILES
+    files = (DRY_SUITE_TEST,) if ctx["dry_run"] else SUITE_FILES
     workers = 0 if ctx["dry_run"] or not importlib.util.find_spec("xdist") else min(8, (os.cpu_count() or 2) // 2)
     case = f"CPU tests, CUDA hidden ({len(files)} files" + (f", {workers} at a time)" if workers else ")")
     return _pytest(ctx, rows, deadline, case, ["-m", "not gpu", *(["-n", str(workers)] if workers else []),
