@@ -184,6 +184,15 @@ def _finetune(tmp_path, ext, *extra) -> tuple[int, str, float]:
     return proc.returncode, out, time.monotonic() - started
 
 
+def _left_long_ago(directory) -> None:
+    """``directory`` and its entries last changed a minute ago, as a lock a process killed long
+    before the job leaves it (the rule's quiet time, 10 s, then need not pass in the job: the
+    rule itself is tested above)."""
+    then = time.time() - 60
+    for path in (*directory.iterdir(), directory):
+        os.utime(path, (then, then))
+
+
 def _built_extensions(tmp_path):
     ext = extensions_dir(tmp_path / "ext", built=True)
     if not (ext / OP / f"{OP}.so").exists():
@@ -198,6 +207,7 @@ def test_a_stock_deepspeed_job_loads_the_built_op_past_a_stale_unmarked_lock(tmp
     ext = _built_extensions(tmp_path)
     lock = ext / OP / "lock"
     lock.write_text("")  # as a stock torch process killed while it held the lock leaves it
+    _left_long_ago(ext / OP)
     code, out, _ = _finetune(tmp_path, ext, "--no-slipstream")
     assert code == 0, out[-3000:]
     assert f"rm {lock}" in out, "the warning does not name the lock"
@@ -228,6 +238,7 @@ def test_a_deepspeed_job_names_a_stale_unmarked_lock_when_the_op_is_not_built(tm
     (ext / OP).mkdir()
     lock = ext / OP / "lock"
     lock.write_text("")
+    _left_long_ago(ext / OP)
     code, out, seconds = _finetune(tmp_path, ext)
     assert code != 0 and f"rm {lock}" in out, out[-3000:]
     assert seconds < JOB_TIMEOUT_S and lock.exists()
