@@ -233,7 +233,7 @@ def test_timeout_kills_every_rank(tmp_path):
     script = tmp_path / "sleeper.py"
     script.write_text("import os, sys, time\nopen(sys.argv[1] + f'/{os.getpid()}', 'w').close()\ntime.sleep(300)\n")
     with pytest.raises(LaunchError, match="timed out"):
-        launch([str(script), str(tmp_path)], ClusterSpec(nodes=1, ranks_per_node=2), timeout=6)
+        launch([str(script), str(tmp_path)], ClusterSpec(nodes=1, ranks_per_node=2), timeout=4)
     pids = [int(p.name) for p in tmp_path.iterdir() if p.name.isdigit()]
     assert len(pids) == 2
     for pid in pids:
