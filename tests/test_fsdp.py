@@ -397,14 +397,15 @@ def _auto_overlap(rank, world):
     runs = {}
     for overlap in ("auto", False):
         torch.manual_seed(0)
-        model = Layers(compute_s=0.08 if overlap == "auto" else 0.0)  # blocking: the numbers' reference
+        wait_s = 0.08 if overlap == "auto" else 0.0  # blocking is the numbers' reference: nothing timed
+        model = Layers(compute_s=wait_s)
         for layer in model.layers:
             fully_shard(layer)
         fully_shard(model)
         fsdp.apply(model, CommConfig(overlap=overlap))
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         losses, in_trial = [], []
-        with slow_link(0.08 if overlap == "auto" else 0.0):
+        with slow_link(wait_s):
             for step in range(ot.WARMUP + 2 * ot.ROUNDS + 1):
                 for micro in range(2):
                     model.set_requires_gradient_sync(micro == 1)
