@@ -200,7 +200,8 @@ def suite_stage(ctx: dict, rows: Rows, deadline: float) -> dict:
     tests = Path(ctx["repo"]) / "tests"
     files = (DRY_SUITE_TEST,) if ctx["dry_run"] else SUITE_FILES
     workers = 0 if ctx["dry_run"] or not importlib.util.find_spec("xdist") else min(8, (os.cpu_count() or 2) // 2)
-    case = f"CPU tests, CUDA hidden ({len(files)} files" + (f", {workers} at a time)" if workers else ")")
+    what = "1 test" if ctx["dry_run"] else f"{len(files)} files"
+    case = f"CPU tests, CUDA hidden ({what}" + (f", {workers} at a time)" if workers else ")")
     return _pytest(ctx, rows, deadline, case, ["-m", "not gpu", *(["-n", str(workers)] if workers else []),
                                                *(str(tests / f) for f in files)], env={"CUDA_VISIBLE_DEVICES": ""})
 
