@@ -53,24 +53,29 @@ def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 @contextlib.contextmanager
 def slow_link(delay_s: float, kind: str = "reduce_scatter"):
-    """Every reduce-scatter (``kind="all_reduce"``: all-reduce) of the core takes ``delay_s``
-    more, on the thread that runs it (the caller's when it blocks, the communicator's when
-    issued asynchronously), as a slow link would; ``SLIPSTREAM_LINK`` names the link, as the
-    emulated cluster does."""
+    """Every reduce-scatter of the core takes ``delay_s`` more (``kind="all_reduce"``: every
+    all-reduce, ``delay_s`` a layer's gradients, as a link carries bytes), on the thread that
+    runs it (the caller's when it blocks, the communicator's when issued asynchronously), as a
+    slow link would; ``SLIPSTREAM_LINK`` names the link, as the emulated cluster does. Yields
+    the list of the slowed all-reduces' element counts."""
     from slipstream.core_comm import Communicator
 
     name = "_all_reduce" if kind == "all_reduce" else "_resize"
     original = getattr(Communicator, name)
+    calls = []
 
     def slowed(self, *args, **kwargs):
-        if name == "_all_reduce" or args[0] == "reduce_scatter":
+        if name == "_all_reduce":
+            calls.append(args[1].numel())
+            time.sleep(delay_s * args[1].numel() / LAYER)
+        elif args[0] == "reduce_scatter":
             time.sleep(delay_s)
         return original(self, *args, **kwargs)
 
     setattr(Communicator, name, slowed)
     os.environ["SLIPSTREAM_LINK"] = f"{delay_s} s a {kind}"
     try:
-        yield
+        yield calls
     finally:
         setattr(Communicator, name, original)
         del os.environ["SLIPSTREAM_LINK"]

@@ -464,10 +464,11 @@ def _auto_overlap(rank, world):
         model = Layers(compute_s)
         own = DistributedDataParallelConfig(grad_reduce_in_fp32=True, bucket_size=LAYER)
         config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1, use_cpu_initialization=True)
-        losses, in_trial, during = [], [], []
-        with slow_link(delay_s, "all_reduce"):  # the link named before the trial keys its choice
+        losses, in_trial, during, calls = [], [], [], []
+        with slow_link(delay_s, "all_reduce") as sizes:  # the link named before the trial keys its choice
             ddp = DistributedDataParallel(config, own, model)
             for step in range(steps):
+                sizes.clear()
                 ddp.zero_grad_buffer()
                 x, y = batch(rank, step)
                 loss = (ddp(x) - y).pow(2).mean()
@@ -475,6 +476,7 @@ def _auto_overlap(rank, world):
                 # an overlapped step has issued its buckets' all-reduces before backward ended
                 during.append(any(g.grad_reduce_handle is not None for g in ddp.bucket_groups))
                 ddp.finish_grad_sync()
+                calls.append([n for n in sizes if n >= LAYER])  # the trial's agreement of 2 numbers aside
                 with torch.no_grad():
                     for p in ddp.parameters():
                         p -= 0.01 * p.main_grad
@@ -486,7 +488,7 @@ def _auto_overlap(rank, world):
         uninstall()
         return {"losses": losses, "weights": weights, "overlap": facts.get("overlap"), "in_trial": in_trial,
                 "during_backward": facts.get("buckets_during_backward"), "issued_during": during,
-                "own_flag": own.overlap_grad_reduce, "buckets": len(ddp.bucket_groups)}
+                "calls": calls, "own_flag": own.overlap_grad_reduce, "buckets": len(ddp.bucket_groups)}
 
     steps = ot.WARMUP + 2 * ot.ROUNDS + 1
     runs = {"slow link": train("auto", 0.08, 0.08, steps), "fast link": train("auto", 0.0, 0.25, steps),
@@ -501,6 +503,7 @@ def _auto_overlap(rank, world):
 
 @pytest.mark.slow
 def test_megatron_ddp_overlap_auto_chooses_by_measurement_bit_equal_to_megatrons_blocking_path(tmp_path):
+    from _overlap_trial import LAYER
     from slipstream.core_comm.tuner import overlap as ot
 
     env = {"SLIPSTREAM_OVERLAP_DIR": str(tmp_path), "SLIPSTREAM_NODE": "0"}
@@ -514,6 +517,13 @@ def test_megatron_ddp_overlap_auto_chooses_by_measurement_bit_equal_to_megatrons
         # at the end, as Megatron's does), the choice after the trial
         assert slow["issued_during"] == [False, False, False, True, False, True, False, True, True], slow
         assert not any(fast["issued_during"][decided:]) and not any(blocking["issued_during"]), (fast, blocking)
+        # a blocking step all-reduces the whole gradient in one call, as Megatron's own blocking
+        # DDP does; an overlapped one a call a bucket (the first, step 1, at the end of backward)
+        whole, buckets = [4 * LAYER], [LAYER] * 4
+        after = len(fast["calls"]) - decided
+        assert blocking["calls"] == [whole] * len(blocking["calls"]) and fast["calls"][decided:] == [whole] * after, fast
+        assert slow["calls"] == [buckets if during or step == 1 else whole
+                                 for step, during in enumerate(slow["issued_during"])], slow["calls"]
         assert blocking["overlap"] == "forced off" and blocking["buckets"] == 1  # Megatron's own: one bucket
         assert slow["buckets"] == fast["buckets"] == 4  # one a layer, as the job's config asked
         assert not any(run["own_flag"] for run in runs.values())  # the job's config object is untouched

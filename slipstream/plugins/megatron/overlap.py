@@ -15,12 +15,14 @@ serves (``prepare``):
 - is built from a copy of its ``DistributedDataParallelConfig`` (the job's own object is not
   changed) with the flag on and, where the job set none, the tuner's all-reduce bucket size;
 - is then switched step by step (``engage``): under ``true`` every step is overlapped; under
-  ``"auto"`` an ``OverlapTrial`` runs blocking steps (the flag off: Megatron's own blocking
-  path over the same buckets) and overlapped ones in turns, timed at the end of each
-  ``finish_grad_sync``, and keeps the faster.
+  ``"auto"`` an ``OverlapTrial`` runs blocking steps and overlapped ones in turns, timed at
+  the end of each ``finish_grad_sync``, and keeps the faster. A blocking step all-reduces each
+  gradient buffer whole in one call, as Megatron does for a DDP built without overlap (the
+  bucket groups' own blocking path would issue one call a bucket).
 
-Either way the same buckets are all-reduced with the same values by the same calls: the
-results are bit-equal. The distributed optimizer (reduce-scatters and a parameter all-gather
+Either way every gradient element is the sum of the same values: bit-equal with two ranks
+(a + b either way); with more, a collective whose order of summation follows the call's size
+may round differently. The distributed optimizer (reduce-scatters and a parameter all-gather
 that follow the flag too) is left as the job built it; so is a DDP with bucketing disabled,
 one already overlapped, one on a GPU and one whose group stays stock.
 """
@@ -104,7 +106,7 @@ def engage(ddp, plan: Plan) -> None:
 
         @functools.wraps(original)
         def finish_grad_sync(*args, **kwargs):
-            result = original(ddp, *args, **kwargs)
+            result = original(ddp, *args, **kwargs) if own.overlap_grad_reduce else _blocking_sync(ddp)
             trial.step_done()  # the same point of every step on every rank
             own.overlap_grad_reduce = trial.overlap
             return result
@@ -117,6 +119,26 @@ def engage(ddp, plan: Plan) -> None:
     update_stack("megatron", buckets_during_backward=trial.pending if trial is not None else True,
                  overlap=trial.reason if trial is not None else "forced on",
                  gradient_bucket=f"{plan.bucket} elements")
+
+
+def _blocking_sync(ddp) -> None:
+    """A blocking step's gradient sync as Megatron runs it for a DDP built without overlap:
+    each buffer's gradients scaled and all-reduced in one call. (The bucket groups' own
+    blocking path would issue one call a bucket: the same bytes in more, smaller calls, which
+    the routing may send to the stock collective one by one.)"""
+    own = ddp.ddp_config
+    nan, large = own.check_for_nan_in_grad, getattr(own, "check_for_large_grads", False)
+    for group in ddp.bucket_groups + ddp.expert_parallel_bucket_groups:
+        if group.grad_reduce_handle is not None:
+            raise RuntimeError("slipstream: a blocking step found a gradient all-reduce still in flight")
+        group.param_gather_dispatched = False
+        if nan or large:
+            group.check_grads(check_for_nan_or_inf=nan, check_for_large=large)
+    op = dist.ReduceOp.AVG if own.average_in_collective else dist.ReduceOp.SUM
+    for buffer in ddp.buffers + ddp.expert_parallel_buffers:
+        if buffer.gradient_scaling_factor != 1.0:
+            buffer.grad_data *= buffer.gradient_scaling_factor
+        dist.all_reduce(buffer.grad_data, op=op, group=buffer.data_parallel_group)
 
 
 def _trial(ddp, plan: Plan):
