@@ -199,9 +199,11 @@ def _overlap_against_blocking(rank, world, gas, depth=None):
     assert all(torch.equal(a, b) for a, b in zip(reads[False], reads[True], strict=True)), \
         "parameters read right after a step differ from the blocking gather's"
     # 16,672 parameters: one gather a step blocking, behind the forward one a 1,024 elements of a
-    # rank's partition (8 pieces of 1,042 on 2 ranks, 4 of 1,042 on 4)
+    # rank's partition (8 pieces of 1,042 on 2 ranks, 4 of 1,042 on 4), and on 2 nodes (the 4
+    # ranks) first one inside each node of its own partitions
     assert (behind[False], behind[True]) == (False, True)
-    assert (gathers[False], gathers[True]) == (3, 3 * min(gather.PIECES, 16672 // world // 1024)), gathers
+    pieces = min(gather.PIECES, 16672 // world // 1024) + (world == 4)
+    assert (gathers[False], gathers[True]) == (3, 3 * pieces), gathers
     return _bit_equal_runs(runs[False], runs[True])
 
 
@@ -223,6 +225,47 @@ def test_zero2_buckets_reduce_while_backward_computes_bit_equal_to_blocking(node
         assert blocking["hidden_s"] == 0.0 and blocking["exposed_s"] > 0  # every collective held the rank
         # a bucket's reduce-scatter in flight while backward went on (the core's own timestamps)
         assert overlapped["hidden_s"] > 0, overlapped
+
+
+def _gather_ahead(rank, world):
+    """A flat buffer of ``world`` partitions (rank ``r`` holds the ``r``-th) gathered by
+    ``GatherAhead`` as after a ZeRO-1/2 step: each piece's ranges of the other node's block, then
+    the buffer once every piece is in."""
+    import types
+
+    from slipstream.core_comm.communicator import Communicator
+    from slipstream.core_comm.config import CommConfig
+    from slipstream.plugins.deepspeed import gather
+
+    gather.MIN_PIECE = 1000
+    comm = Communicator(None, config=CommConfig(timeout_s=60))
+    ahead = gather.GatherAhead(types.SimpleNamespace(communicator=lambda group: comm, takes=lambda *_: True),
+                               lambda: True)
+    size = 8000
+    flat = torch.zeros(world * size)
+    mine = flat[rank * size:(rank + 1) * size]
+    mine.copy_(torch.arange(rank * size, (rank + 1) * size))
+    ahead.armed = True
+    assert ahead.take(flat, mine, None)
+    ranges = [p.ranges for p in ahead.pending]
+    ahead.settle()
+    comm.close()
+    return ranges, torch.equal(flat, torch.arange(world * size, dtype=flat.dtype))
+
+
+def test_zero_parameter_gather_sends_each_nodes_partitions_to_the_other_node_in_the_models_order():
+    """ZeRO-1/2's parameter gather behind the next forward on 2 nodes of 2 ranks: each node's
+    partitions are gathered inside it first, then its pieces send the other node that node's
+    block (two partitions: the model's first half to node 1) from its start to its end, so
+    that the first layers of a node's forward wait for the first pieces only; the buffer equals
+    the plain gather's."""
+    for rank, (ranges, equal) in enumerate(run_ranks(_gather_ahead, 4, rank_env=_env(0, 0, 1, 1), timeout=120)):
+        assert equal, f"rank {rank}: the gathered buffer differs from every rank's partition in order"
+        other = 1 - rank // 2
+        assert len(ranges) == 8 and all(len(r) == 1 for r in ranges), ranges  # one range a piece: the other node's
+        spans = [r[0] for r in ranges]
+        assert spans[0][0] == other * 16000 and spans[-1][1] == (other + 1) * 16000, spans
+        assert all(a[1] == b[0] for a, b in zip(spans, spans[1:])), spans  # front to back, one after another
 
 
 def _auto_overlap(rank, world, stage, gas, cases, layers):

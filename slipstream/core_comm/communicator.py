@@ -205,6 +205,14 @@ class Communicator:
         """Like ``dist.all_gather_into_tensor``; ``input`` may be a view into ``output``."""
         return self._resize_as("all_gather", "all_gather", output, input, None, async_op)
 
+    def node_all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        """``all_gather`` among this node's ranks only (``output``: ``local_size`` blocks), through
+        shared memory, blocking; CPU tensors of a group with shared memory on its node."""
+        if self.shm is None or input.device.type != "cpu":
+            raise ValueError("node_all_gather needs CPU tensors and a group with shared memory on its node")
+        with counters.record("all_gather", "shm", output.numel() * output.element_size()):
+            self._run(lambda: self.shm.all_gather(output, input), False, input.device)
+
     def _resize_as(self, counted: str, kind: str, output, input, op, async_op: bool, valid=None):
         check_sizes(kind, output, input, self.world)
         big = output if kind == "all_gather" else input
@@ -380,7 +388,8 @@ class Communicator:
             self._resize(kind, cpu_algo, host_out, self._stager(input.device).to_host(input), op, valid, lossy)
             output.copy_(host_out)
         elif algo == "shm":
-            _invoke(self._intra(kind, big), kind, output, input, op)
+            intra = self._intra(kind, big)
+            intra.reduce_scatter(output, input, op) if kind == "reduce_scatter" else intra.all_gather(output, input)
         else:
             out = output if output.is_contiguous() else torch.empty_like(output)
             chunk = self._quarter(big, RESIZE_CHUNK_MOST)
@@ -438,11 +447,3 @@ def _unflatten(flat: torch.Tensor, tensors: list) -> None:
     for t in tensors:
         t.copy_(flat[at:at + t.numel()].view_as(t))
         at += t.numel()
-
-
-def _invoke(impl, kind: str, output, input, op) -> None:
-    if kind == "reduce_scatter":
-        impl.reduce_scatter(output, input, op)
-    else:
-        impl.all_gather(output, input)
-
