@@ -39,7 +39,9 @@ PROBE = textwrap.dedent("""
 
 def _launch(how: str, entry: list[str], cwd, *, timeout: float = 120, **popen) -> subprocess.CompletedProcess:
     env = {**os.environ, "SLIPSTREAM_LAUNCHER": how, "GLOO_SOCKET_IFNAME": "lo"}
-    argv = _with_log_dir(node_launcher(ClusterSpec(nodes=1, ranks_per_node=2), 0, None, entry), str(cwd / "logs"))
+    with pytest.MonkeyPatch.context() as mp:  # the command is chosen here, from this process's environment
+        mp.setenv("SLIPSTREAM_LAUNCHER", how)
+        argv = _with_log_dir(node_launcher(ClusterSpec(nodes=1, ranks_per_node=2), 0, None, entry), str(cwd / "logs"))
     return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, **popen)
 
 
@@ -57,8 +59,8 @@ def test_forked_ranks_get_torchruns_variables_and_results(tmp_path, form):
         entry = [str(tmp_path / "probe_entry.py")] if form == "script" else ["-m", "probe_entry"]
         done = _launch(how, [*entry, str(out), "--flag"], tmp_path)
         assert done.returncode == 0, done.stdout + done.stderr
+        assert ("forked after importing" in done.stderr) == (how == "fork"), done.stderr
         seen[how] = _ranks(out)
-    assert "forked after importing" in _launch("fork", ["-m", "probe_entry", str(tmp_path / "fork")], tmp_path).stderr
     for stock, ours in zip(seen["torchrun"], seen["fork"]):
         assert ours == stock
     assert [r["sum"] for r in seen["fork"]] == [3.0, 3.0]
@@ -120,14 +122,15 @@ def test_a_rank_ends_as_an_interpreter_does(tmp_path):
     assert "RuntimeError: a rank's own error" in failed.stderr and "failed (exit code 1)" in failed.stderr
 
 
-def test_sigterm_to_the_launcher_stops_every_rank(tmp_path):
+def test_sigterm_to_the_launcher_stops_every_rank(tmp_path, monkeypatch):
     (tmp_path / "sleep.py").write_text(textwrap.dedent("""
         import os, sys, time
         with open(os.path.join(sys.argv[1], f"pid{os.environ['RANK']}"), "w") as f:
             f.write(str(os.getpid()))
         time.sleep(120)
     """))
-    env = {**os.environ, "SLIPSTREAM_LAUNCHER": "fork"}
+    monkeypatch.setenv("SLIPSTREAM_LAUNCHER", "fork")  # read here, where the command is chosen
+    env = dict(os.environ)
     argv = node_launcher(ClusterSpec(nodes=1, ranks_per_node=2), 0, None, [str(tmp_path / "sleep.py"), str(tmp_path)])
     proc = subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
