@@ -403,6 +403,10 @@ def _auto_overlap(rank, world):
             fully_shard(layer)
         fully_shard(model)
         fsdp.apply(model, CommConfig(overlap=overlap))
+        # where overlap engages, each layer prefetches the next one's parameters in forward
+        prefetch = [[id(s) for s in layer._get_fsdp_state()._states_to_forward_prefetch] for layer in model.layers]
+        chained = [[id(layer._get_fsdp_state())] for layer in model.layers[1:]] + [[]]
+        assert prefetch == (chained if overlap == "auto" else [[]] * len(model.layers)), prefetch
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         losses, in_trial = [], []
         with slow_link(wait_s):
@@ -419,6 +423,7 @@ def _auto_overlap(rank, world):
                 in_trial.append(facts["reductions_during_backward"] == "auto (in trial)")
         runs[overlap] = losses, [p.to_local().detach().clone() for p in model.parameters()], facts, in_trial
         fsdp.remove(model)
+        assert not any(layer._get_fsdp_state()._states_to_forward_prefetch for layer in model.layers)  # put back
     (auto, auto_w, facts, in_trial), (blocking, blocking_w, _, _) = runs["auto"], runs[False]
     assert auto == blocking and all(torch.equal(a, b) for a, b in zip(auto_w, blocking_w))
     return {**facts, "in_trial": in_trial}

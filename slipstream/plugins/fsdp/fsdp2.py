@@ -35,6 +35,7 @@ __all__ = ["apply", "remove", "SlipstreamAllGather", "SlipstreamReduceScatter", 
 
 _ORIGINALS = "_slipstream_fsdp_comms"  # on each switched module: its param groups' comms before
 _OVERLAPPED = "_slipstream_fsdp_overlap"  # on each module switched with overlap: its groups' settings before
+_PREFETCH = "_slipstream_fsdp_prefetch"  # on the model: the forward prefetches chained, to put back
 
 
 def _api():
@@ -140,6 +141,8 @@ def apply(model: torch.nn.Module, config: CommConfig | None = None) -> list[str]
         change(("fsdp2", id(model)), f"{type(model).__name__}: FSDP2 all-gathers and reduce-scatters through the core",
                lambda: ref() is not None and remove(ref()), owner="fsdp", target=model)
     during = during or any(_OVERLAPPED in vars(m) for _, m in modules)
+    if during and _PREFETCH not in vars(model):
+        vars(model)[_PREFETCH] = _overlap.chain_forward_prefetch([(n, m) for n, m in modules if _OVERLAPPED in vars(m)])
     trial = deferral.trial if deferral.groups else None  # None: no module engaged by this call
     if trial is not None:
         trial.on_decided = note_overlap_choice("fsdp", "reductions_during_backward")
@@ -195,6 +198,7 @@ def _nbytes(tensor: torch.Tensor) -> int:
 def remove(model: torch.nn.Module) -> None:
     """Put back the comms each switched module had before ``apply``; a no-op elsewhere."""
     forget(("fsdp2", id(model)))
+    _overlap.unchain(vars(model).pop(_PREFETCH, []))
     for module in model.modules():
         before = vars(module).pop(_ORIGINALS, None)
         if before is None:

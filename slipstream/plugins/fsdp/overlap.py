@@ -6,6 +6,9 @@ layer's gradients (and, under HSDP, all-reduces the result across replicas) and 
 and the parameter all-gathers it prefetches during backward block too. For the modules
 ``fsdp2.apply`` switched with overlap on:
 
+- each layer of a list of layers prefetches the next one's parameters in forward
+  (``chain_forward_prefetch``), so that its all-gather runs while the layer computes;
+
 - the reduction that ends a layer's ``foreach_reduce`` is issued on the communicator's thread
   and backward goes on: the reduce-scatter, or under HSDP the all-reduce across replicas (the
   one that crosses the nodes; the reduce-scatter before it, inside a node, still blocks);
@@ -36,7 +39,7 @@ from ..._common.patch import patch, unpatch
 from ...core_comm.tuner.overlap import OverlapTrial
 from ...core_comm.work import InFlight
 
-__all__ = ["Deferral", "engage", "param_groups", "release"]
+__all__ = ["Deferral", "chain_forward_prefetch", "engage", "param_groups", "release", "unchain"]
 
 
 def param_groups(state) -> list:
@@ -137,6 +140,30 @@ def release(groups, before: list) -> None:
     if _ENGAGED[0] == 0:
         unpatch(_fsdp_param_group, "foreach_reduce")
         unpatch(_fsdp_state.FSDPState, "_root_post_backward_final_callback")
+
+
+def chain_forward_prefetch(named: list) -> list:
+    """Each of ``named`` (``(name, FSDP module)``, overlap engaged) that is the i-th child of a
+    list of layers prefetches the (i+1)-th in forward, where its user set no forward prefetch:
+    on a CPU FSDP2 all-gathers a module's parameters as its forward starts and waits, so that
+    otherwise no forward all-gather runs behind compute; in overlapped steps the prefetch is
+    asynchronous and runs while the i-th layer computes (one layer's parameters held more).
+    Returns what ``unchain`` puts back."""
+    by_name, chained = dict(named), []
+    for name, module in named:
+        parent, _, index = name.rpartition(".")
+        following = by_name.get(f"{parent}.{int(index) + 1}") if parent and index.isdigit() else None
+        state = module._get_fsdp_state()
+        if following is not None and not state._states_to_forward_prefetch:
+            chained.append((state, list(state._states_to_forward_prefetch)))
+            module.set_modules_to_forward_prefetch([following])
+    return chained
+
+
+def unchain(chained: list) -> None:
+    """Undo ``chain_forward_prefetch``."""
+    for state, before in chained:
+        state._states_to_forward_prefetch = before
 
 
 def _deferrals(groups) -> list[Deferral]:
