@@ -8,7 +8,6 @@ and the parameter all-gathers it prefetches during backward block too. For the m
 
 - each layer of a list of layers prefetches the next one's parameters in forward
   (``chain_forward_prefetch``), so that its all-gather runs while the layer computes;
-
 - the reduction that ends a layer's ``foreach_reduce`` is issued on the communicator's thread
   and backward goes on: the reduce-scatter, or under HSDP the all-reduce across replicas (the
   one that crosses the nodes; the reduce-scatter before it, inside a node, still blocks);
@@ -155,15 +154,15 @@ def chain_forward_prefetch(named: list) -> list:
         following = by_name.get(f"{parent}.{int(index) + 1}") if parent and index.isdigit() else None
         state = module._get_fsdp_state()
         if following is not None and not state._states_to_forward_prefetch:
-            chained.append((state, list(state._states_to_forward_prefetch)))
+            chained.append(state)
             module.set_modules_to_forward_prefetch([following])
     return chained
 
 
 def unchain(chained: list) -> None:
-    """Undo ``chain_forward_prefetch``."""
-    for state, before in chained:
-        state._states_to_forward_prefetch = before
+    """Undo ``chain_forward_prefetch``: the modules it chained prefetch nothing again."""
+    for state in chained:
+        state._states_to_forward_prefetch = []
 
 
 def _deferrals(groups) -> list[Deferral]:
