@@ -100,8 +100,9 @@ def test_benchmark_model_has_about_twenty_million_parameters():
     assert 18e6 <= count_parameters(build_model("llama-20m", vocab_size=8192)) <= 22e6
 
 
-def test_the_second_benchmark_size_has_about_125_million_parameters():
+def test_the_larger_benchmark_sizes_have_about_60_and_125_million_parameters():
     with torch.device("meta"):  # counted without allocating half a gigabyte
+        assert 57e6 <= count_parameters(build_model("llama-60m", vocab_size=8192)) <= 61e6
         assert 120e6 <= count_parameters(build_model("llama-125m", vocab_size=8192)) <= 130e6
 
 

@@ -27,8 +27,8 @@ _PASSED = ("model", "tokenizer", "data", "samples", "max_length", "steps", "zero
 
 def add_arguments(p) -> None:
     p.add_argument("--model", default="llama-tiny",
-                   help="a config name (llama-tiny, llama-20m, llama-125m, ...) or a local Hugging Face model "
-                        "directory")
+                   help="a config name (llama-tiny, llama-20m, llama-60m, llama-125m, ...) or a local Hugging Face "
+                        "model directory")
     p.add_argument("--tokenizer", help="local tokenizer path (default: the model directory's own; else one "
                    "built locally, which a model without a tokenizer takes where its vocabulary fits it)")
     p.add_argument("--data", default=None, help="alpaca-format JSON (default: a generated dataset)")
