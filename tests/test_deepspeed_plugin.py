@@ -227,10 +227,25 @@ def test_zero2_buckets_reduce_while_backward_computes_bit_equal_to_blocking(node
         assert overlapped["hidden_s"] > 0, overlapped
 
 
+class _Recording:
+    """A communicator that records the storage of each all-gather's output."""
+
+    def __init__(self, comm) -> None:
+        self.comm, self.staged = comm, []
+
+    def __getattr__(self, name):
+        return getattr(self.comm, name)
+
+    def all_gather(self, output, *args, **kwargs):
+        self.staged.append(output.untyped_storage().data_ptr())
+        return self.comm.all_gather(output, *args, **kwargs)
+
+
 def _gather_ahead(rank, world):
     """A flat buffer of ``world`` partitions (rank ``r`` holds the ``r``-th) gathered by
-    ``GatherAhead`` as after a ZeRO-1/2 step: each piece's ranges of the other node's block, then
-    the buffer once every piece is in."""
+    ``GatherAhead`` as after a ZeRO-1/2 step, through the core's path and through the stock one:
+    each piece's ranges of the other node's block, the storages the pieces' outputs were in,
+    then whether the buffer is every partition in order once every piece is in."""
     import types
 
     from slipstream.core_comm.communicator import Communicator
@@ -238,19 +253,22 @@ def _gather_ahead(rank, world):
     from slipstream.plugins.deepspeed import gather
 
     gather.MIN_PIECE = 1000
-    comm = Communicator(None, config=CommConfig(timeout_s=60))
-    ahead = gather.GatherAhead(types.SimpleNamespace(communicator=lambda group: comm, takes=lambda *_: True),
-                               lambda: True)
-    size = 8000
-    flat = torch.zeros(world * size)
-    mine = flat[rank * size:(rank + 1) * size]
-    mine.copy_(torch.arange(rank * size, (rank + 1) * size))
-    ahead.armed = True
-    assert ahead.take(flat, mine, None)
-    ranges = [p.ranges for p in ahead.pending]
-    ahead.settle()
-    comm.close()
-    return ranges, torch.equal(flat, torch.arange(world * size, dtype=flat.dtype))
+    runs = {}
+    for path, config in (("core", CommConfig(timeout_s=60)), ("stock", CommConfig(timeout_s=60, shm=False))):
+        comm = _Recording(Communicator(None, config=config))
+        ahead = gather.GatherAhead(types.SimpleNamespace(communicator=lambda group: comm, takes=lambda *_: True),
+                                   lambda: True)
+        size = 8000
+        flat = torch.zeros(world * size)
+        mine = flat[rank * size:(rank + 1) * size]
+        mine.copy_(torch.arange(rank * size, (rank + 1) * size))
+        ahead.armed = True
+        assert ahead.take(flat, mine, None)
+        ranges = [p.ranges for p in ahead.pending]
+        ahead.settle()
+        comm.close()
+        runs[path] = ranges, comm.staged, torch.equal(flat, torch.arange(world * size, dtype=flat.dtype))
+    return runs
 
 
 def test_zero_parameter_gather_sends_each_nodes_partitions_to_the_other_node_in_the_models_order():
@@ -258,14 +276,18 @@ def test_zero_parameter_gather_sends_each_nodes_partitions_to_the_other_node_in_
     partitions are gathered inside it first, then its pieces send the other node that node's
     block (two partitions: the model's first half to node 1) from its start to its end, so
     that the first layers of a node's forward wait for the first pieces only; the buffer equals
-    the plain gather's."""
-    for rank, (ranges, equal) in enumerate(run_ranks(_gather_ahead, 4, rank_env=_env(0, 0, 1, 1), timeout=120)):
-        assert equal, f"rank {rank}: the gathered buffer differs from every rank's partition in order"
+    the plain gather's. The core's pieces, each copied out on its thread before the next runs,
+    share one piece's staging; the stock collective's (gloo's thread) each have their own."""
+    for rank, runs in enumerate(run_ranks(_gather_ahead, 4, rank_env=_env(0, 0, 1, 1), timeout=120)):
+        (ranges, staged, equal), (_, stock_staged, stock_equal) = runs["core"], runs["stock"]
+        assert equal and stock_equal, f"rank {rank}: the gathered buffer differs from every partition in order"
         other = 1 - rank // 2
         assert len(ranges) == 8 and all(len(r) == 1 for r in ranges), ranges  # one range a piece: the other node's
         spans = [r[0] for r in ranges]
         assert spans[0][0] == other * 16000 and spans[-1][1] == (other + 1) * 16000, spans
         assert all(a[1] == b[0] for a, b in zip(spans, spans[1:])), spans  # front to back, one after another
+        assert len(staged) == 8 and len(set(staged)) == 1, staged
+        assert len(stock_staged) == 8 and len(set(stock_staged)) == 8, stock_staged
 
 
 def _auto_overlap(rank, world, stage, gas, cases, layers):

@@ -11,8 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from datetime import timedelta
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import wait as futures_wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait as futures_wait
 
 import torch
 import torch.distributed as dist
@@ -201,9 +200,11 @@ class Communicator:
                              f"got {valid}")
         return self._resize_as("reduce_scatter", "reduce_scatter", output, input, op, async_op, valid)
 
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False):
-        """Like ``dist.all_gather_into_tensor``; ``input`` may be a view into ``output``."""
-        return self._resize_as("all_gather", "all_gather", output, input, None, async_op)
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False, then=None):
+        """Like ``dist.all_gather_into_tensor``; ``input`` may be a view into ``output``. ``then()``
+        runs once the gather is done: on the core's paths by the thread that ran it, before this
+        communicator's next call (so the buffer it empties may take the next call's output)."""
+        return self._resize_as("all_gather", "all_gather", output, input, None, async_op, then=then)
 
     def node_all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
         """``all_gather`` among this node's ranks only (``output``: ``local_size`` blocks), through
@@ -213,7 +214,7 @@ class Communicator:
         with counters.record("all_gather", "shm", output.numel() * output.element_size()):
             self._run(lambda: self.shm.all_gather(output, input), False, input.device)
 
-    def _resize_as(self, counted: str, kind: str, output, input, op, async_op: bool, valid=None):
+    def _resize_as(self, counted: str, kind: str, output, input, op, async_op: bool, valid=None, then=None):
         check_sizes(kind, output, input, self.world)
         big = output if kind == "all_gather" else input
         nbytes = big.numel() * big.element_size()
@@ -226,9 +227,10 @@ class Communicator:
                     work = all_gather_into_tensor(dense, _dense(input), group=self.group, async_op=async_op)
                 else:
                     work = reduce_scatter_tensor(dense, _dense(input), op=op, group=self.group, async_op=async_op)
-                return _stock(work, dense, output, issued)
-            return self._run(lambda: self._resize(kind, algo, output, input, op, valid, lossy), async_op,
-                             input.device)
+                work = _stock(work, dense, output, issued)
+                return work if then is None else self._then(work, then, output.device)
+            return self._run(lambda: (self._resize(kind, algo, output, input, op, valid, lossy), then and then()),
+                             async_op, input.device)
 
     def _count_stock_link(self, kind: str, nbytes: int) -> None:
         """With one rank per node, what a stock ``kind`` of a whole buffer of ``nbytes`` sends
@@ -407,8 +409,7 @@ class Communicator:
 
 
 def _dense(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor``, or a contiguous copy: gloo reduces a strided tensor's storage as if it were
-    contiguous, a wrong answer."""
+    """``tensor``, or a contiguous copy: gloo reduces a strided tensor's storage as if contiguous (wrongly)."""
     return tensor if tensor.is_contiguous() else tensor.contiguous()
 
 

@@ -118,11 +118,16 @@ class GatherAhead:
             comm.node_all_gather(mine, input)
         storage, base = output.untyped_storage().data_ptr(), output.storage_offset()
         others = [b for b in range(world // local) if b != block]
-        for start, end in zip(bounds, bounds[1:]):
-            lo, width = local * start, end - start
-            staged = output.new_empty(world * width)
-            work = comm.all_gather(staged, mine[lo + pos * width:lo + (pos + 1) * width], async_op=True)
-            work = Work.after(work, _copier(output, staged, others, span, lo, local * width))
+        pieces = [(local * start, end - start) for start, end in zip(bounds, bounds[1:])]
+        sends = [mine[lo + pos * width:lo + (pos + 1) * width] for lo, width in pieces]
+        # The core's pieces run one after another on its thread, each copied out before the
+        # next: they share one piece's staging (the whole buffer's worth otherwise).
+        shared = all(comm.algorithm(send, kind="all_gather")[0] != "stock" for send in sends)
+        staging = output.new_empty(world * max(width for _, width in pieces)) if shared else None
+        for (lo, width), send in zip(pieces, sends):
+            staged = staging[:world * width] if shared else output.new_empty(world * width)
+            work = comm.all_gather(staged, send, async_op=True,
+                                   then=_copier(output, staged, others, span, lo, local * width))
             self.pending.append(_Piece(storage, [(base + b * span + lo, base + b * span + lo + local * width)
                                                  for b in others], work))
             self.queue.push("ZeRO parameter all-gather", [work])
