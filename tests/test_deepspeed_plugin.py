@@ -314,7 +314,10 @@ def _auto_overlap(rank, world, stage, gas, cases, layers):
         with slow_link(delay_s):
             engine, *_ = sds.initialize(model=model, model_parameters=model.parameters(), config=cfg)
             before = slipstream.status()["stacks"]["deepspeed"]["buckets_during_backward"]  # as the start line says
+            first = _deferral_trial(engine)
+            first = first.overlap if first is not None else overlap  # the mode the first step runs in
             coordinator = engine.optimizer._get_param_coordinator() if stage == 3 else None
+            first_prefetch = getattr(coordinator, PREFETCH_BUCKET, None)  # the first step's
             losses, sizes, in_trial, prefetch = [], [], [], []
             for step in range(steps * gas):
                 x, y = batch(rank, step)
@@ -327,8 +330,7 @@ def _auto_overlap(rank, world, stage, gas, cases, layers):
                     stack = slipstream.status()["stacks"]["deepspeed"]
                     in_trial.append(stack["buckets_during_backward"] == "auto (in trial)")
                     if coordinator is not None:  # the next step's parameter prefetch, with its mode
-                        deferral = getattr(engine.optimizer.independent_gradient_partition_epilogue, "func", None)
-                        trial = getattr(getattr(deferral, "__self__", None), "trial", None)
+                        trial = _deferral_trial(engine)
                         mode = trial.overlap if trial is not None else overlap
                         prefetch.append((getattr(coordinator, PREFETCH_BUCKET), mode))
         facts = slipstream.status()["stacks"]["deepspeed"]
@@ -336,7 +338,8 @@ def _auto_overlap(rank, world, stage, gas, cases, layers):
         uninstall()
         return {"losses": losses, "weights": weights, "overlap": facts["overlap"],
                 "during_backward": facts["buckets_during_backward"], "sizes": sizes, "in_trial": in_trial,
-                "before": before, "prefetch": prefetch, "prefetch_after": getattr(coordinator, PREFETCH_BUCKET, None)}
+                "before": before, "first": first, "first_prefetch": first_prefetch, "prefetch": prefetch,
+                "prefetch_after": getattr(coordinator, PREFETCH_BUCKET, None)}
 
     def forced_on_prefetch():
         """The parameter prefetch bucket of ``"overlap": true`` (the tuner's)."""
@@ -365,6 +368,12 @@ def _auto_overlap(rank, world, stage, gas, cases, layers):
     return runs
 
 
+def _deferral_trial(engine):
+    """The overlap trial of the ZeRO deferral patched onto ``engine``'s optimizer (None: none)."""
+    deferral = getattr(engine.optimizer.independent_gradient_partition_epilogue, "func", None)
+    return getattr(getattr(deferral, "__self__", None), "trial", None)
+
+
 def _assert_auto_overlap(runs, steps_in_trial):
     slow, fast = runs["slow link"], runs["fast link"]
     # a reduce-scatter as long as a layer's backward: overlapped steps hide it; without, nothing to hide
@@ -374,8 +383,11 @@ def _assert_auto_overlap(runs, steps_in_trial):
     if "cached" in runs:
         assert runs["cached"]["during_backward"] is True, runs["cached"]
         assert "cached from an earlier run" in runs["cached"]["overlap"], runs["cached"]
-        assert runs["cached"]["before"] == "auto (cached)", runs["cached"]  # said so before its first step
-    assert slow["before"] == "auto (in trial)", slow
+        # taken when the engine was built, every rank agreeing: its first step already overlapped,
+        # not blocking at DeepSpeed's whole-model buckets first (that step set ZeRO-3's peak memory)
+        assert runs["cached"]["before"] is True and runs["cached"]["first"] is True, runs["cached"]
+        assert not any(runs["cached"]["in_trial"]), runs["cached"]
+    assert slow["before"] == "auto (in trial)" and slow["first"] is False, slow  # a trial's first step blocks
     assert len(set(slow["sizes"])) == 1  # the config's bucket size in both modes
     # the trial counts optimizer steps, not micro-batches: decided at the end of its last one
     assert slow["in_trial"] == [True] * (steps_in_trial - 1) + [False] * (len(slow["in_trial"]) + 1 - steps_in_trial)
@@ -400,7 +412,7 @@ def test_zero3_overlap_auto_chooses_by_measurement_over_accumulated_steps_bit_eq
     env = {"SLIPSTREAM_OVERLAP_DIR": str(tmp_path)}
     # ZeRO-3 reduce-scatters each bucket whole (every rank's part of it), two layers a bucket
     # for a size the core's path takes across nodes, 2 micro-batches a step
-    for runs in run_ranks(_auto_overlap, 2, 3, 2, (), 2, rank_env=_env(0, 1), env=env, timeout=300):
+    for runs in run_ranks(_auto_overlap, 2, 3, 2, ("cached",), 2, rank_env=_env(0, 1), env=env, timeout=300):
         _assert_auto_overlap(runs, ot.WARMUP + 2 * ot.ROUNDS)
     assert len(list(tmp_path.iterdir())) == 2
     # each choice is keyed by the model's full size, though ZeRO-3 leaves its parameters empty
@@ -422,6 +434,8 @@ def test_zero3_overlap_auto_chooses_by_measurement_over_accumulated_steps_bit_eq
     trial_steps = ot.WARMUP + 2 * ot.ROUNDS - 1
     assert {mode for _, mode in slow["prefetch"][:trial_steps]} == {True, False}, slow["prefetch"]
     assert slow["prefetch"][-1] == (tuned, True) and fast["prefetch"][-1] == (default, False)
+    # the cached choice's first step gathers ahead in the overlapped mode's bucket; a trial's blocks
+    assert runs["cached"]["first_prefetch"] == tuned and slow["first_prefetch"] == default, runs["cached"]
 
 
 def _zero3_gathers(rank, world):

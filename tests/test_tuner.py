@@ -326,15 +326,38 @@ def test_overlap_trial_choice_is_cached_per_key_and_link(monkeypatch, tmp_path):
     _run_trial(first, clock, 1.0, 0.5, 2 * ot.ROUNDS + ot.WARMUP)
     assert first.choice is True and len(list(tmp_path.iterdir())) == 1
     again = ot.OverlapTrial("test buckets", {"model": 1})
-    # before its first step the start line already names the cached mode, not a trial
-    assert again.pending == "auto (cached)" and again.choice is None
-    assert again.reason.startswith("overlap auto: test buckets overlapped, as cached from an earlier run"), again.reason
-    # the next run: overlapped from its second step, no trial, whatever its steps take
-    assert _run_trial(again, clock, 0.5, 1.0, 4) == [False, True, True, True]
-    assert again.choice is True and "cached from an earlier run" in again.reason, again.reason
+    decided = []
+    again.on_decided = decided.append  # set after the choice was taken: called at once
+    # taken when the trial is made: the start line names the cached mode, not a trial
+    assert again.pending is True and again.choice is True and decided == [again]
+    assert again.reason.startswith("overlap auto: test buckets overlapped (cached from an earlier run"), again.reason
     assert "0.500 s overlapped against 1.000 s blocking" in again.reason
+    # the next run: overlapped from its first step, no trial, whatever its steps take
+    assert _run_trial(again, clock, 0.5, 1.0, 4) == [True, True, True, True] and decided == [again]
     for key, link in (({"model": 2}, "100mbit"), ({"model": 1}, "1gbit")):  # another model, another link
         monkeypatch.setenv("SLIPSTREAM_LINK", link)
         other = ot.OverlapTrial("test buckets", key)
         assert other.pending == "auto (in trial)"
         assert _run_trial(other, clock, 1.0, 0.5, 3) == [False, True, False] and other.choice is None
+
+
+def _trial_with_cache(rank, world, cached_on):
+    """Each rank's first mode, start-line word and choice when ranks ``cached_on`` hold a cached
+    choice (overlapped) and the others none."""
+    from slipstream.core_comm.tuner import overlap as ot
+
+    where = ot.OverlapTrial("test buckets", {"model": 1}, dist.group.WORLD, cache=False)  # its file, uncached
+    if rank in cached_on:
+        ot.write_json(where._path(), {"key": where.key, "overlap": True, "blocking_s": 1.0, "overlapped_s": 0.5})
+    trial = ot.OverlapTrial("test buckets", {"model": 1}, dist.group.WORLD)
+    return trial.overlap, trial.pending, trial.choice
+
+
+def test_a_cached_overlap_choice_holds_from_the_first_step_only_where_every_rank_has_it(tmp_path):
+    """The ranks agree on a cached choice when the trial is made: every rank holding it runs
+    its first step in the cached mode; where one rank lacks it, every rank trials (a rank whose
+    first step ran in the other mode would issue other collectives than its peers)."""
+    rank_env = [{"SLIPSTREAM_OVERLAP_DIR": str(tmp_path / f"rank{r}"), "SLIPSTREAM_LINK": "100mbit"} for r in range(2)]
+    assert run_ranks(_trial_with_cache, 2, (0, 1), rank_env=rank_env) == [(True, True, True)] * 2
+    rank_env[1]["SLIPSTREAM_OVERLAP_DIR"] = str(tmp_path / "empty")
+    assert run_ranks(_trial_with_cache, 2, (0,), rank_env=rank_env) == [(False, "auto (in trial)", None)] * 2

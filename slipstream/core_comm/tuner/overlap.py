@@ -14,7 +14,10 @@ overlap is kept when its median step is at least ``MIN_GAIN`` faster than blocki
 blocking (the stacks' own behaviour). Both modes reduce the same values in the same order:
 the results are bit-equal whichever runs. The choice is written to the cache under the
 adapter's key (the model, the batch, the layout, the link) and a later run with the same key
-on every rank takes it without a trial; ``reason`` says which and why.
+on every rank takes it without a trial, from its first step: the ranks agree on it when the
+trial is made (one all-reduce over ``group``, where every rank builds the adapter), so no step
+runs in the other mode first (a blocking first step at DeepSpeed's whole-model buckets held
+ZeRO-3's peak memory 10% above stock's). ``reason`` says which and why.
 """
 
 from __future__ import annotations
@@ -61,21 +64,32 @@ class OverlapTrial:
         self.group = group
         self.cache = cache
         self.overlap = False
-        """The mode of the step now running (blocking first)."""
+        """The mode of the step now running (a trial's first step blocks; a cached choice from the
+        first step on)."""
         self.choice: bool | None = None
         """The decision, once made (None: still in trial)."""
         trial = f"timed blocking and overlapped in turns ({WARMUP} untimed steps, then {ROUNDS} of each)"
-        self._cached = cached = self._read_cache()  # taken at the first step if every rank has one
-        self.pending = "auto (in trial)" if cached is None else "auto (cached)"
-        """What the start line says of the mode before the first step decides or confirms it."""
-        self.reason = (f"overlap auto: {what} {trial}" if cached is None else
-                       f"overlap auto: {what} {'overlapped' if cached['overlap'] else 'blocking'}, as cached from "
-                       f"an earlier run (taken at the first step if every rank has it, else {trial})")
-        self.on_decided: Callable[[OverlapTrial], None] | None = None
-        """Called once the choice is made (measured or cached)."""
+        self._on_decided: Callable[[OverlapTrial], None] | None = None
+        self.reason = f"overlap auto: {what} {trial}"
         self.steps = 0
         self.times: dict[bool, list[float]] = {False: [], True: []}
         self._last: float | None = None
+        self._cached = self._read_cache()
+        taken = self._take_cached()  # collective: every rank builds its adapter's trial
+        self.pending: bool | str = self.choice if taken else "auto (in trial)"
+        """What the start line says of the mode before the first step: the cached choice, or
+        that a trial decides it."""
+
+    @property
+    def on_decided(self) -> Callable[[OverlapTrial], None] | None:
+        """Called once the choice is made (measured or cached); at once if it is already."""
+        return self._on_decided
+
+    @on_decided.setter
+    def on_decided(self, call: Callable[[OverlapTrial], None] | None) -> None:
+        self._on_decided = call
+        if call is not None and self.choice is not None:
+            call(self)
 
     # ------------------------------------------------------------------------ the steps
 
@@ -85,10 +99,7 @@ class OverlapTrial:
         now = time.perf_counter()
         if self.choice is not None:
             return
-        if self.steps == 0:
-            if self._take_cached():
-                return
-        elif self.steps >= WARMUP:
+        if self.steps >= WARMUP:
             self.times[self.overlap].append(now - (self._last or now))
         self.steps += 1
         self._last = time.perf_counter()
@@ -117,8 +128,8 @@ class OverlapTrial:
         self.reason = (f"overlap auto: {self.what} {'overlapped' if choice else 'blocking'} ({how}: a step took "
                        f"{overlapped:.3f} s overlapped against {blocking:.3f} s blocking, "
                        f"{abs(gain):.0%} {'faster' if gain >= 0 else 'slower'}; kept from {MIN_GAIN:.0%} faster)")
-        if self.on_decided is not None:
-            self.on_decided(self)
+        if self._on_decided is not None:
+            self._on_decided(self)
 
     # ------------------------------------------------------------------------ the cache
 

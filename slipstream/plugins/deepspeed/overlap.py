@@ -79,6 +79,12 @@ class _Spares:
         if self.trial is None or not _at_boundary(optimizer):
             return False
         self.trial.step_done()  # the same point of every step on every rank
+        return self.size_for_mode(optimizer)
+
+    def size_for_mode(self, optimizer) -> bool:
+        """DeepSpeed's bucket size for the trial's current mode (before the first step too: a
+        cached choice is taken when the trial is made). True when it changed (the spares are
+        dropped)."""
         size = self.buckets[self.trial.overlap]
         if size == optimizer.reduce_bucket_size:
             return False
@@ -246,15 +252,17 @@ class Deferred3(_Spares):
             self.reduce_and_partition(optimizer, dtype)
         self.drain(optimizer)
         type(optimizer).independent_gradient_partition_epilogue(optimizer)
-        changed = self._backward_done(optimizer)
+        if self._backward_done(optimizer):
+            self.resize_buffers(optimizer)
         self.set_prefetch(optimizer)  # the next step's forward and backward gather in its mode
-        if changed:
-            # DeepSpeed allocates ZeRO-3's bucket buffers once, at the size then: the next
-            # step's, at the new size (every bucket is empty at the end of backward)
-            for dtype, bucket in optimizer.ipg_buckets.items():
-                if bucket.buffer is not None:
-                    bucket.buffer = torch.empty(optimizer.reduce_bucket_size, dtype=dtype,
-                                                device=bucket.buffer.device)
+
+    @staticmethod
+    def resize_buffers(optimizer) -> None:
+        """DeepSpeed allocates ZeRO-3's bucket buffers once, at the size then: the next step's,
+        at the new size (every bucket is empty between steps)."""
+        for dtype, bucket in optimizer.ipg_buckets.items():
+            if bucket.buffer is not None:
+                bucket.buffer = torch.empty(optimizer.reduce_bucket_size, dtype=dtype, device=bucket.buffer.device)
 
     def set_prefetch(self, optimizer) -> None:
         """The trial's current mode's prefetch bucket on DeepSpeed's coordinator."""

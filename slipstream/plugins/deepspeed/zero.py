@@ -155,6 +155,8 @@ def patch_zero_optimizer(optimizer, overlap: bool = False, trial=None, overlap_b
     deferred = None
     if (overlap or trial is not None) and all(hasattr(optimizer, n) for n in _DEFERRED_NEEDS):
         deferred = Deferred(*_trial_buckets(optimizer, trial, overlap_bucket))
+        if trial is not None:
+            deferred.size_for_mode(optimizer)  # the first step's: a cached choice holds from it
     signature = inspect.signature(getattr(DeepSpeedZeroOptimizer, _METHOD))
     patch(optimizer, _METHOD, functools.partial(_reduce_to_owners, optimizer, deferred, signature), owner=_OWNER)
     if deferred is not None:
@@ -183,6 +185,8 @@ def patch_zero3_optimizer(optimizer, trial=None, overlap_bucket: int | None = No
     deferred = Deferred3(*_trial_buckets(optimizer, trial, overlap_bucket),
                          prefetch=_trial_prefetch(optimizer, trial, overlap_prefetch))
     deferred.set_prefetch(optimizer)  # the first step's, in the trial's first mode
+    if trial is not None and deferred.size_for_mode(optimizer):  # a cached choice holds from the first step
+        deferred.resize_buffers(optimizer)
     patch(optimizer, _STAGE3_REDUCE, functools.partial(deferred.reduce_and_partition, optimizer), owner=_OWNER)
     patch(optimizer, "independent_gradient_partition_epilogue", functools.partial(deferred.epilogue, optimizer),
           owner=_OWNER)

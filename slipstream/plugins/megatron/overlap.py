@@ -98,7 +98,7 @@ def engage(ddp, plan: Plan) -> None:
     back and the method as it was)."""
     trial = _trial(ddp, plan) if plan.mode == "auto" else None
     own = ddp.ddp_config
-    own.overlap_grad_reduce = trial is None  # a trial's first step blocks
+    own.overlap_grad_reduce = trial is None or trial.overlap  # a trial's first step blocks; a cached choice holds
     if trial is not None:
         from .._adapter import note_overlap_choice
 
