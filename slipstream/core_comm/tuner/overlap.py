@@ -74,8 +74,7 @@ class OverlapTrial:
         self.steps = 0
         self.times: dict[bool, list[float]] = {False: [], True: []}
         self._last: float | None = None
-        self._cached = self._read_cache()
-        taken = self._take_cached()  # collective: every rank builds its adapter's trial
+        taken = self._take_cached(self._read_cache())  # collective: every rank builds its adapter's trial
         self.pending: bool | str = self.choice if taken else "auto (in trial)"
         """What the start line says of the mode before the first step: the cached choice, or
         that a trial decides it."""
@@ -149,9 +148,9 @@ class OverlapTrial:
             pass
         return None
 
-    def _take_cached(self) -> bool:
-        """The cached choice, where every rank has the same one (one all-reduce); else False."""
-        cached = self._cached
+    def _take_cached(self, cached: dict | None) -> bool:
+        """Take ``cached`` (this rank's, or None) where every rank has the same one (one
+        all-reduce); else False."""
         code = _CODES[None if cached is None else bool(cached["overlap"])]
         most, least = self._max_over_ranks([code, -code])
         if cached is None or most != -least:
